@@ -1,0 +1,66 @@
+// Plain parameter structs that every attention kernel takes (CPU and CUDA).
+// No ATen include: the host functions fill these from tensors, the kernels see
+// only pointers, sizes and element strides.
+//
+// Shapes after the host has flattened the leading batch dims into one, B:
+//   q    (B, Hq,  L, E)
+//   k    (B, Hkv, S, E)
+//   v    (B, Hkv, S, Ev)
+//   out  (B, Hq,  L, Ev)
+//   lse  (B, Hq,  L)      contiguous, float32 (float64 for float64 inputs)
+//   mask (B, Hq,  L, S)   broadcast strides (0 where the user's mask has size 1)
+#pragma once
+
+#include <cstdint>
+
+namespace mha_ext {
+
+enum class MaskKind : int32_t { kNone = 0, kBool = 1, kFloat = 2 };
+
+// Strides are in elements, one per dim of the 4-d view (b, h, row, col).
+struct Strides4 {
+  int64_t b = 0, h = 0, row = 0, col = 0;
+};
+
+// Dropout: element (b, h, i, j) is kept iff the 32-bit Philox draw for it is
+// >= drop_threshold; see dropout.h for how the draw is addressed.
+struct DropoutParams {
+  double p = 0.0;                 // probability of dropping, in [0, 1)
+  double rescale = 1.0;           // 1 / (1 - p)
+  uint32_t drop_threshold = 0;    // floor(p * 2^32): draws below it are dropped
+  uint64_t seed = 0;
+  uint64_t offset = 0;
+  bool enabled() const { return p > 0.0; }
+};
+
+struct AttentionFwdParams {
+  const void* q = nullptr;   // (B, Hq, L, E)
+  const void* k = nullptr;   // (B, Hkv, S, E)
+  const void* v = nullptr;   // (B, Hkv, S, Ev)
+  const void* mask = nullptr;  // (B, Hq, L, S) broadcast, bool or q's dtype
+  void* out = nullptr;       // (B, Hq, L, Ev)
+  void* lse = nullptr;       // (B, Hq, L), contiguous
+
+  Strides4 q_stride, k_stride, v_stride, mask_stride, out_stride;
+
+  int64_t batch = 0, heads_q = 0, heads_kv = 0;
+  int64_t len_q = 0, len_kv = 0, head_dim = 0, head_dim_v = 0;
+  double scale = 1.0;
+  bool is_causal = false;   // top-left aligned: row i sees columns 0..i
+  MaskKind mask_kind = MaskKind::kNone;
+  DropoutParams dropout;
+
+  // query head h reads key/value head h / group_size
+  int64_t group_size() const { return heads_q / heads_kv; }
+};
+
+struct AttentionBwdParams : AttentionFwdParams {
+  const void* grad_out = nullptr;  // (B, Hq, L, Ev)
+  void* grad_q = nullptr;          // (B, Hq, L, E), contiguous
+  void* grad_k = nullptr;          // (B, Hkv, S, E), contiguous
+  void* grad_v = nullptr;          // (B, Hkv, S, Ev), contiguous
+  void* grad_mask = nullptr;       // (B, Hq, L, S) contiguous float buffer, or null
+  Strides4 grad_out_stride;
+};
+
+}  // namespace mha_ext

@@ -1,0 +1,147 @@
+#include "checks.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+
+namespace mha_ext {
+
+std::string format_shape(at::IntArrayRef sizes) {
+  std::string s = "(";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(sizes[i]);
+  }
+  return s + ")";
+}
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kBool: return "torch.bool";
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kHalf: return "torch.float16";
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+namespace {
+
+std::string format_float(double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%g", x);
+  return buf;
+}
+
+bool is_supported_float(at::ScalarType t) {
+  return t == at::kDouble || t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+void check_qkv_tensor(const char* name, const at::Tensor& t, const at::Tensor& query) {
+  TORCH_CHECK(is_supported_float(t.scalar_type()), name,
+              " must be a floating-point tensor (float64, float32, float16 or bfloat16), got ",
+              dtype_name(t.scalar_type()));
+  TORCH_CHECK(t.dim() >= 3, name,
+              " must have at least 3 dims (..., heads, seq_len, head_dim), got shape ",
+              format_shape(t.sizes()));
+  if (&t == &query) return;
+  TORCH_CHECK(t.scalar_type() == query.scalar_type(), name, " must have the same dtype as query (",
+              dtype_name(query.scalar_type()), "), got ", dtype_name(t.scalar_type()));
+  TORCH_CHECK(t.device() == query.device(), name, " must be on the same device as query (",
+              query.device().str(), "), got ", t.device().str());
+  TORCH_CHECK(t.dim() == query.dim(), name, " must have the same number of dims as query (",
+              query.dim(), "), got ", t.dim());
+  const auto qb = query.sizes().slice(0, query.dim() - 3);
+  const auto tb = t.sizes().slice(0, t.dim() - 3);
+  TORCH_CHECK(qb == tb, name, " batch dims must equal query's ", format_shape(qb), ", got ",
+              format_shape(tb));
+}
+
+}  // namespace
+
+AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor& key,
+                                      const at::Tensor& value,
+                                      const std::optional<at::Tensor>& attn_mask,
+                                      double dropout_p, bool enable_gqa) {
+  check_qkv_tensor("query", query, query);
+  check_qkv_tensor("key", key, query);
+  check_qkv_tensor("value", value, query);
+
+  AttentionShape s;
+  const int64_t nd = query.dim();
+  s.batch_sizes = query.sizes().slice(0, nd - 3).vec();
+  for (int64_t b : s.batch_sizes) s.batch *= b;
+  s.heads_q = query.size(-3);
+  s.len_q = query.size(-2);
+  s.head_dim = query.size(-1);
+  s.heads_kv = key.size(-3);
+  s.len_kv = key.size(-2);
+  s.head_dim_v = value.size(-1);
+
+  TORCH_CHECK(key.size(-1) == s.head_dim, "key must have the same head_dim as query (", s.head_dim,
+              "), got ", key.size(-1));
+  TORCH_CHECK(value.size(-3) == s.heads_kv, "value must have the same number of heads as key (",
+              s.heads_kv, "), got ", value.size(-3));
+  TORCH_CHECK(value.size(-2) == s.len_kv, "value must have the same seq_len as key (", s.len_kv,
+              "), got ", value.size(-2));
+  if (enable_gqa) {
+    TORCH_CHECK(s.heads_kv > 0 && s.heads_q % s.heads_kv == 0, "query heads (", s.heads_q,
+                ") must be a multiple of key/value heads (", s.heads_kv, ") with enable_gqa=True");
+  } else {
+    TORCH_CHECK(s.heads_kv == s.heads_q, "key must have the same number of heads as query (",
+                s.heads_q, ") unless enable_gqa=True, got ", s.heads_kv);
+  }
+
+  if (attn_mask.has_value()) {
+    const at::Tensor& m = *attn_mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == query.scalar_type(),
+                "attn_mask must be bool or query's dtype (", dtype_name(query.scalar_type()),
+                "), got ", dtype_name(m.scalar_type()));
+    TORCH_CHECK(m.device() == query.device(), "attn_mask must be on the same device as query (",
+                query.device().str(), "), got ", m.device().str());
+    std::vector<int64_t> target = s.batch_sizes;
+    target.insert(target.end(), {s.heads_q, s.len_q, s.len_kv});
+    bool ok = m.dim() <= static_cast<int64_t>(target.size());
+    for (int64_t i = 1; ok && i <= m.dim(); ++i) {
+      const int64_t ms = m.size(-i), ts = target[target.size() - i];
+      ok = ms == ts || ms == 1;
+    }
+    TORCH_CHECK(ok, "attn_mask must broadcast to (N..., Hq, L, S) = ", format_shape(target),
+                ", got ", format_shape(m.sizes()));
+  }
+  check_dropout_p(dropout_p);
+  return s;
+}
+
+void check_dropout_p(double dropout_p) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p must be in [0, 1), got ",
+              format_float(dropout_p));
+}
+
+void check_rng_state(const at::Tensor& r) {
+  TORCH_CHECK(r.scalar_type() == at::kLong && r.numel() == 2 && r.dim() == 1 && r.device().is_cpu(),
+              "rng_state must be an int64 CPU tensor of shape (2) holding (seed, offset), got ",
+              dtype_name(r.scalar_type()), " of shape ", format_shape(r.sizes()), " on ",
+              r.device().str());
+}
+
+void check_same_shape(const char* name, const at::Tensor& t, at::IntArrayRef expected,
+                      const at::Tensor& like, std::optional<at::ScalarType> dtype) {
+  const at::ScalarType want = dtype.value_or(like.scalar_type());
+  TORCH_CHECK(t.scalar_type() == want, name, " must have dtype ", dtype_name(want), ", got ",
+              dtype_name(t.scalar_type()));
+  TORCH_CHECK(t.device() == like.device(), name, " must be on the same device as query (",
+              like.device().str(), "), got ", t.device().str());
+  TORCH_CHECK(t.sizes() == expected, name, " must have shape ", format_shape(expected), ", got ",
+              format_shape(t.sizes()));
+}
+
+}  // namespace mha_ext

@@ -1,0 +1,42 @@
+// The one input checker of mha_ext: every backend, forward and backward, calls
+// it. Its messages are mirrored word for word by the fake kernels in
+// mha_ext/ops.py (tests/test_errors.py holds both to the same text).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+
+namespace mha_ext {
+
+// Sizes of one attention call after validation. The leading batch dims of
+// query (N...) are kept for the outputs and flattened to `batch` for kernels.
+struct AttentionShape {
+  std::vector<int64_t> batch_sizes;  // N...
+  int64_t batch = 1, heads_q = 0, heads_kv = 0;
+  int64_t len_q = 0, len_kv = 0, head_dim = 0, head_dim_v = 0;
+};
+
+// query (N..., Hq, L, E), key (N..., Hkv, S, E), value (N..., Hkv, S, Ev),
+// attn_mask broadcastable to (N..., Hq, L, S), bool or query's dtype.
+AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor& key,
+                                      const at::Tensor& value,
+                                      const std::optional<at::Tensor>& attn_mask,
+                                      double dropout_p, bool enable_gqa);
+
+// dropout_p in [0, 1).
+void check_dropout_p(double dropout_p);
+
+// rng_state: int64 (seed, offset) on the CPU, required when dropout_p > 0.
+void check_rng_state(const at::Tensor& rng_state);
+
+// Checks that `name` has exactly `expected` sizes (and query's dtype/device
+// unless `dtype` is given).
+void check_same_shape(const char* name, const at::Tensor& t, at::IntArrayRef expected,
+                      const at::Tensor& like, std::optional<at::ScalarType> dtype = std::nullopt);
+
+std::string format_shape(at::IntArrayRef sizes);
+std::string dtype_name(at::ScalarType t);
+
+}  // namespace mha_ext

@@ -1,0 +1,443 @@
+// CPU attention kernels, FlashAttention-2 style.
+//
+// Forward: work items are (batch, query head, block of kBlockM query rows),
+// spread over threads with at::parallel_for. Each item keeps its Q tile, its
+// output accumulator and the running row max / row sum on the thread's stack of
+// buffers, streams key/value tiles of kBlockN rows, and never holds more than
+// a kBlockM x kBlockN score tile: extra memory is per-thread tiles plus the
+// O(L) logsumexp per head.
+//
+// Backward: work items are (batch, query head); each recomputes P = exp(S - lse)
+// tile by tile, accumulates dK, dV for its own head slice and dQ for one query
+// block at a time. No two items write the same memory and every sum runs in a
+// fixed order, so results do not depend on the number of threads.
+//
+// Matrix products on tiles go to the BLAS that libtorch_cpu exports (sgemm_ /
+// dgemm_); half and bfloat16 tiles are widened to float first. The row-wise
+// softmax pieces are plain loops compiled for AVX-512, AVX2 and baseline
+// x86-64 (target_clones), picked at load time by the CPU.
+#include "kernels_cpu.h"
+
+#include "../dropout.h"
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+            const float* beta, float* c, const int* ldc);
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const double* alpha, const double* a, const int* lda, const double* b,
+            const int* ldb, const double* beta, double* c, const int* ldc);
+}
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define MHA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define MHA_CPU_CLONES
+#endif
+
+namespace mha_ext {
+namespace {
+
+// 64 query rows x 256 key columns: the float score tile is 64 KiB and a K tile
+// of head_dim 64 another 64 KiB, which stay in the 2 MiB L2 next to the Q tile
+// and the output accumulator.
+constexpr int64_t kBlockM = 64;
+constexpr int64_t kBlockN = 256;
+
+// ---------------------------------------------------------------------------
+// Row operations. Float versions are cloned per instruction set; double uses
+// the same loops with std::exp.
+
+inline float exp_nonpositive(float x) {
+  // exp for x <= ~88 (softmax feeds x = s - max <= 0): round(x / ln 2) = n,
+  // r = x - n ln 2 in [-ln2/2, ln2/2], e^r by its degree-7 Taylor polynomial
+  // (relative error < 1e-8 on that range), times 2^n built in the exponent bits.
+  const float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float t = xc * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: round to nearest
+  const float n = t - 12582912.0f;
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9841270e-4f;
+  p = p * r + 1.3888889e-3f;
+  p = p * r + 8.3333333e-3f;
+  p = p * r + 4.1666667e-2f;
+  p = p * r + 1.6666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  float y = p * two_n;
+  y = x < -87.0f ? 0.0f : y;
+  y = x > 88.0f ? std::numeric_limits<float>::infinity() : y;
+  return x != x ? x : y;
+}
+
+MHA_CPU_CLONES float row_max_f(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+// x[i] = exp(x[i] - sub); returns the sum.
+MHA_CPU_CLONES float exp_sub_sum_f(float* x, int64_t n, float sub) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = exp_nonpositive(x[i] - sub);
+    s += x[i];
+  }
+  return s;
+}
+
+MHA_CPU_CLONES void scale_f(float* x, int64_t n, float a) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= a;
+}
+
+// dp[i] = p[i] * (dp[i] - d)
+MHA_CPU_CLONES void softmax_grad_f(const float* p, float* dp, int64_t n, float d) {
+  for (int64_t i = 0; i < n; ++i) dp[i] = p[i] * (dp[i] - d);
+}
+
+MHA_CPU_CLONES float dot_f(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+template <typename T>
+struct RowOps;
+
+template <>
+struct RowOps<float> {
+  static float max(const float* x, int64_t n) { return row_max_f(x, n); }
+  static float exp_sub_sum(float* x, int64_t n, float sub) { return exp_sub_sum_f(x, n, sub); }
+  static void scale(float* x, int64_t n, float a) { scale_f(x, n, a); }
+  static void softmax_grad(const float* p, float* dp, int64_t n, float d) {
+    softmax_grad_f(p, dp, n, d);
+  }
+  static float dot(const float* a, const float* b, int64_t n) { return dot_f(a, b, n); }
+};
+
+template <>
+struct RowOps<double> {
+  static double max(const double* x, int64_t n) {
+    double m = -std::numeric_limits<double>::infinity();
+    for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+    return m;
+  }
+  static double exp_sub_sum(double* x, int64_t n, double sub) {
+    double s = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      x[i] = std::exp(x[i] - sub);
+      s += x[i];
+    }
+    return s;
+  }
+  static void scale(double* x, int64_t n, double a) {
+    for (int64_t i = 0; i < n; ++i) x[i] *= a;
+  }
+  static void softmax_grad(const double* p, double* dp, int64_t n, double d) {
+    for (int64_t i = 0; i < n; ++i) dp[i] = p[i] * (dp[i] - d);
+  }
+  static double dot(const double* a, const double* b, int64_t n) {
+    double s = 0.0;
+    for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+    return s;
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Row-major GEMM on tiles: C (M x N, ldc) = alpha * op(A) op(B) + beta * C,
+// op(A) M x K (A stored K x M when trans_a), op(B) K x N (B stored N x K when
+// trans_b). Column-major BLAS computes C^T = op(B)^T op(A)^T.
+
+inline int to_blas_int(int64_t x) {
+  TORCH_INTERNAL_ASSERT(x >= 0 && x <= INT_MAX, "tile dimension does not fit a BLAS int: ", x);
+  return static_cast<int>(x);
+}
+
+template <typename T>
+void gemm_rm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+             int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
+  const int m = to_blas_int(N), n = to_blas_int(M), k = to_blas_int(K);
+  const int la = to_blas_int(std::max<int64_t>(ldb, 1)), lb = to_blas_int(std::max<int64_t>(lda, 1));
+  const int lc = to_blas_int(std::max<int64_t>(ldc, 1));
+  if (K == 0) {  // BLAS leaves C alone when k == 0 only if beta == 1
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == T(0) ? T(0) : beta * C[i * ldc + j];
+    return;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    sgemm_(&ta, &tb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+  } else {
+    dgemm_(&ta, &tb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+  }
+}
+
+// A (rows x cols) tile of a strided operand, as acc_t with a leading dimension:
+// the operand itself when it already is acc_t with unit column stride, else a
+// packed copy in `buf`.
+template <typename scalar_t, typename acc_t>
+const acc_t* load_tile(const scalar_t* base, int64_t row_stride, int64_t col_stride,
+                       int64_t rows, int64_t cols, acc_t* buf, int64_t* ld) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    if (col_stride == 1 && (rows <= 1 || (row_stride >= cols && row_stride <= INT_MAX))) {
+      *ld = rows <= 1 ? std::max<int64_t>(cols, 1) : row_stride;
+      return base;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* src = base + r * row_stride;
+    acc_t* dst = buf + r * cols;
+    if (col_stride == 1) {
+      for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<acc_t>(src[c]);
+    } else {
+      for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<acc_t>(src[c * col_stride]);
+    }
+  }
+  *ld = cols;
+  return buf;
+}
+
+// Scores of one tile row after scale: adds the float mask or sets -inf where
+// the bool mask is false or the causal rule hides the column.
+template <typename scalar_t, typename acc_t>
+void mask_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int64_t j0,
+              int64_t n, acc_t* s) {
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  if (p.mask_kind != MaskKind::kNone) {
+    const int64_t off = b * p.mask_stride.b + h * p.mask_stride.h + i * p.mask_stride.row +
+                        j0 * p.mask_stride.col;
+    const int64_t cs = p.mask_stride.col;
+    if (p.mask_kind == MaskKind::kBool) {
+      const bool* m = static_cast<const bool*>(p.mask) + off;
+      for (int64_t c = 0; c < n; ++c) s[c] = m[c * cs] ? s[c] : kNegInf;
+    } else {
+      const scalar_t* m = static_cast<const scalar_t*>(p.mask) + off;
+      for (int64_t c = 0; c < n; ++c) s[c] += static_cast<acc_t>(m[c * cs]);
+    }
+  }
+  if (p.is_causal) {
+    for (int64_t c = std::max<int64_t>(i + 1 - j0, 0); c < n; ++c) s[c] = kNegInf;
+  }
+}
+
+inline uint64_t dropout_row_id(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i) {
+  return static_cast<uint64_t>((b * p.heads_q + h) * p.len_q + i);
+}
+
+// Key columns a block of query rows [i0, i0 + m) can see: causal row i sees 0..i.
+inline int64_t visible_kv_end(const AttentionFwdParams& p, int64_t i0, int64_t m) {
+  return p.is_causal ? std::min(p.len_kv, i0 + m) : p.len_kv;
+}
+
+}  // namespace
+
+template <typename scalar_t>
+void attention_fwd_kernel(const AttentionFwdParams& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Ops = RowOps<acc_t>;
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  const int64_t H = p.heads_q, L = p.len_q, E = p.head_dim, Ev = p.head_dim_v;
+  const int64_t G = p.group_size();
+  const int64_t n_qblocks = (L + kBlockM - 1) / kBlockM;
+  const acc_t scale = static_cast<acc_t>(p.scale);
+  const acc_t rescale = static_cast<acc_t>(p.dropout.rescale);
+  const scalar_t* q = static_cast<const scalar_t*>(p.q);
+  const scalar_t* k = static_cast<const scalar_t*>(p.k);
+  const scalar_t* v = static_cast<const scalar_t*>(p.v);
+  scalar_t* out = static_cast<scalar_t*>(p.out);
+  acc_t* lse = static_cast<acc_t*>(p.lse);
+
+  at::parallel_for(0, p.batch * H * n_qblocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> q_buf(kBlockM * E), k_buf(kBlockN * E), v_buf(kBlockN * Ev);
+    std::vector<acc_t> s_buf(kBlockM * kBlockN), o_acc(kBlockM * Ev), row_max(kBlockM),
+        row_sum(kBlockM);
+    std::vector<uint8_t> keep(kBlockN);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t qb = w % n_qblocks, bh = w / n_qblocks;
+      const int64_t h = bh % H, b = bh / H, hk = h / G;
+      const int64_t i0 = qb * kBlockM, m = std::min(kBlockM, L - i0);
+      int64_t ldq = 0, ldk = 0, ldv = 0;
+      const acc_t* qt = load_tile(q + b * p.q_stride.b + h * p.q_stride.h + i0 * p.q_stride.row,
+                                  p.q_stride.row, p.q_stride.col, m, E, q_buf.data(), &ldq);
+      std::fill(o_acc.begin(), o_acc.begin() + m * Ev, acc_t(0));
+      std::fill(row_max.begin(), row_max.end(), kNegInf);
+      std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
+
+      const int64_t kv_end = visible_kv_end(p, i0, m);
+      for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockN) {
+        const int64_t n = std::min(kBlockN, kv_end - j0);
+        const acc_t* kt =
+            load_tile(k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row,
+                      p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
+        const acc_t* vt =
+            load_tile(v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row,
+                      p.v_stride.row, p.v_stride.col, n, Ev, v_buf.data(), &ldv);
+        acc_t* s = s_buf.data();
+        gemm_rm<acc_t>(false, true, m, n, E, scale, qt, ldq, kt, ldk, acc_t(0), s, n);
+        for (int64_t r = 0; r < m; ++r) {
+          acc_t* srow = s + r * n;
+          const int64_t i = i0 + r;
+          mask_row<scalar_t>(p, b, h, i, j0, n, srow);
+          const acc_t new_max = std::max(row_max[r], Ops::max(srow, n));
+          if (new_max == kNegInf) {  // every key so far is masked: P = 0
+            std::fill(srow, srow + n, acc_t(0));
+            continue;
+          }
+          const acc_t alpha = row_max[r] == kNegInf ? acc_t(0) : std::exp(row_max[r] - new_max);
+          const acc_t sum = Ops::exp_sub_sum(srow, n, new_max);
+          row_sum[r] = row_sum[r] * alpha + sum;
+          row_max[r] = new_max;
+          if (alpha != acc_t(1)) Ops::scale(o_acc.data() + r * Ev, Ev, alpha);
+          if (p.dropout.enabled()) {
+            dropout_keep_row(p.dropout.seed, p.dropout.offset, dropout_row_id(p, b, h, i), j0, n,
+                             p.dropout.drop_threshold, keep.data());
+            for (int64_t c = 0; c < n; ++c) srow[c] = keep[c] ? srow[c] * rescale : acc_t(0);
+          }
+        }
+        gemm_rm<acc_t>(false, false, m, Ev, n, acc_t(1), s, n, vt, ldv, acc_t(1), o_acc.data(),
+                       Ev);
+      }
+
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t i = i0 + r;
+        const acc_t l = row_sum[r];
+        const acc_t inv = l > acc_t(0) ? acc_t(1) / l : acc_t(0);
+        scalar_t* orow = out + b * p.out_stride.b + h * p.out_stride.h + i * p.out_stride.row;
+        const acc_t* arow = o_acc.data() + r * Ev;
+        for (int64_t e = 0; e < Ev; ++e) orow[e * p.out_stride.col] = static_cast<scalar_t>(arow[e] * inv);
+        // l is 0 only when every key of the row is masked: lse = -inf there.
+        // A NaN anywhere in the row's scores makes l, and so lse, NaN.
+        lse[(b * H + h) * L + i] = l > acc_t(0) ? row_max[r] + std::log(l) : (l == l ? kNegInf : l);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void attention_bwd_kernel(const AttentionBwdParams& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Ops = RowOps<acc_t>;
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  const int64_t H = p.heads_q, L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
+  const int64_t G = p.group_size();
+  const acc_t scale = static_cast<acc_t>(p.scale);
+  const acc_t rescale = static_cast<acc_t>(p.dropout.rescale);
+  const scalar_t* q = static_cast<const scalar_t*>(p.q);
+  const scalar_t* k = static_cast<const scalar_t*>(p.k);
+  const scalar_t* v = static_cast<const scalar_t*>(p.v);
+  const scalar_t* o = static_cast<const scalar_t*>(p.out);
+  const scalar_t* dout = static_cast<const scalar_t*>(p.grad_out);
+  const acc_t* lse = static_cast<const acc_t*>(p.lse);
+  scalar_t* dq_out = static_cast<scalar_t*>(p.grad_q);
+  acc_t* dk_all = static_cast<acc_t*>(p.grad_k);
+  acc_t* dv_all = static_cast<acc_t*>(p.grad_v);
+  acc_t* dmask_all = static_cast<acc_t*>(p.grad_mask);
+
+  at::parallel_for(0, p.batch * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> q_buf(kBlockM * E), do_buf(kBlockM * Ev), o_buf(kBlockM * Ev);
+    std::vector<acc_t> k_buf(kBlockN * E), v_buf(kBlockN * Ev);
+    std::vector<acc_t> p_buf(kBlockM * kBlockN), dp_buf(kBlockM * kBlockN);
+    std::vector<acc_t> dq_acc(kBlockM * E), row_d(kBlockM);
+    std::vector<uint8_t> keep(kBlockN);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t h = bh % H, b = bh / H, hk = h / G;
+      acc_t* dk = dk_all + bh * S * E;
+      acc_t* dv = dv_all + bh * S * Ev;
+      std::fill(dk, dk + S * E, acc_t(0));
+      std::fill(dv, dv + S * Ev, acc_t(0));
+      for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {
+        const int64_t m = std::min(kBlockM, L - i0);
+        int64_t ldq = 0, lddo = 0, ldo = 0, ldk = 0, ldv = 0;
+        const acc_t* qt = load_tile(q + b * p.q_stride.b + h * p.q_stride.h + i0 * p.q_stride.row,
+                                    p.q_stride.row, p.q_stride.col, m, E, q_buf.data(), &ldq);
+        const acc_t* dot = load_tile(
+            dout + b * p.grad_out_stride.b + h * p.grad_out_stride.h + i0 * p.grad_out_stride.row,
+            p.grad_out_stride.row, p.grad_out_stride.col, m, Ev, do_buf.data(), &lddo);
+        const acc_t* ot =
+            load_tile(o + b * p.out_stride.b + h * p.out_stride.h + i0 * p.out_stride.row,
+                      p.out_stride.row, p.out_stride.col, m, Ev, o_buf.data(), &ldo);
+        const acc_t* lse_rows = lse + (b * H + h) * L + i0;
+        for (int64_t r = 0; r < m; ++r) row_d[r] = Ops::dot(dot + r * lddo, ot + r * ldo, Ev);
+        std::fill(dq_acc.begin(), dq_acc.begin() + m * E, acc_t(0));
+
+        const int64_t kv_end = visible_kv_end(p, i0, m);
+        for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockN) {
+          const int64_t n = std::min(kBlockN, kv_end - j0);
+          const acc_t* kt =
+              load_tile(k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row,
+                        p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
+          const acc_t* vt =
+              load_tile(v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row,
+                        p.v_stride.row, p.v_stride.col, n, Ev, v_buf.data(), &ldv);
+          acc_t* pt = p_buf.data();
+          acc_t* dpt = dp_buf.data();
+          gemm_rm<acc_t>(false, true, m, n, E, scale, qt, ldq, kt, ldk, acc_t(0), pt, n);
+          gemm_rm<acc_t>(false, true, m, n, Ev, acc_t(1), dot, lddo, vt, ldv, acc_t(0), dpt, n);
+          for (int64_t r = 0; r < m; ++r) {
+            const int64_t i = i0 + r;
+            acc_t* prow = pt + r * n;
+            acc_t* dprow = dpt + r * n;
+            if (lse_rows[r] == kNegInf) {  // fully masked row: P = 0, no gradient
+              std::fill(prow, prow + n, acc_t(0));
+              std::fill(dprow, dprow + n, acc_t(0));
+              continue;
+            }
+            mask_row<scalar_t>(p, b, h, i, j0, n, prow);
+            Ops::exp_sub_sum(prow, n, lse_rows[r]);
+            if (p.dropout.enabled()) {
+              // O = sum_j P_j z_j V_j / (1 - p): the gradient wrt P_j is z_j dP_j / (1 - p),
+              // and dV takes the dropped, rescaled P.
+              dropout_keep_row(p.dropout.seed, p.dropout.offset, dropout_row_id(p, b, h, i), j0,
+                               n, p.dropout.drop_threshold, keep.data());
+              for (int64_t c = 0; c < n; ++c) dprow[c] = keep[c] ? dprow[c] * rescale : acc_t(0);
+              Ops::softmax_grad(prow, dprow, n, row_d[r]);
+              for (int64_t c = 0; c < n; ++c) prow[c] = keep[c] ? prow[c] * rescale : acc_t(0);
+            } else {
+              Ops::softmax_grad(prow, dprow, n, row_d[r]);
+            }
+            if (dmask_all != nullptr) {
+              acc_t* gm = dmask_all + ((b * H + h) * L + i) * S + j0;
+              std::copy(dprow, dprow + n, gm);
+            }
+          }
+          // dV += P~^T dO, dQ += scale dS K, dK += scale dS^T Q
+          gemm_rm<acc_t>(true, false, n, Ev, m, acc_t(1), pt, n, dot, lddo, acc_t(1),
+                         dv + j0 * Ev, Ev);
+          gemm_rm<acc_t>(false, false, m, E, n, scale, dpt, n, kt, ldk, acc_t(1), dq_acc.data(), E);
+          gemm_rm<acc_t>(true, false, n, E, m, scale, dpt, n, qt, ldq, acc_t(1), dk + j0 * E, E);
+        }
+        scalar_t* dq_rows = dq_out + ((b * H + h) * L + i0) * E;
+        for (int64_t x = 0; x < m * E; ++x) dq_rows[x] = static_cast<scalar_t>(dq_acc[x]);
+      }
+    }
+  });
+}
+
+#define MHA_INSTANTIATE(T)                                                \
+  template void attention_fwd_kernel<T>(const AttentionFwdParams& p); \
+  template void attention_bwd_kernel<T>(const AttentionBwdParams& p);
+MHA_INSTANTIATE(double)
+MHA_INSTANTIATE(float)
+MHA_INSTANTIATE(c10::Half)
+MHA_INSTANTIATE(c10::BFloat16)
+#undef MHA_INSTANTIATE
+
+}  // namespace mha_ext

@@ -1,0 +1,24 @@
+// CPU attention kernels: FlashAttention-2 style tiling over plain parameter
+// structs. No at::Tensor in here; the host functions in attention_cpu.cpp fill
+// the params.
+#pragma once
+
+#include "../attention_params.h"
+
+#include <cstdint>
+
+namespace mha_ext {
+
+// Forward: fills p.out and p.lse. scalar_t is double, float, c10::Half or
+// c10::BFloat16; arithmetic in double for double, float otherwise.
+template <typename scalar_t>
+void attention_fwd_kernel(const AttentionFwdParams& p);
+
+// Backward: fills p.grad_q (scalar_t, contiguous), p.grad_k / p.grad_v
+// (accumulator type, one slice per *query* head: (B, Hq, S, E) / (B, Hq, S, Ev),
+// reduced over the GQA group by the host) and, when set, p.grad_mask
+// (accumulator type, (B, Hq, L, S), zero-initialised by the caller).
+template <typename scalar_t>
+void attention_bwd_kernel(const AttentionBwdParams& p);
+
+}  // namespace mha_ext

@@ -1,0 +1,31 @@
+"""mha_ext: fused multi-head attention for PyTorch as a custom operator.
+
+    mha_ext.scaled_dot_product_attention   drop-in for torch.nn.functional.scaled_dot_product_attention
+    mha_ext.MultiheadAttention             drop-in for torch.nn.MultiheadAttention
+    torch.ops.mha_ext.attention / attention_backward / dropout_mask
+"""
+import glob
+import os
+
+import torch
+
+
+def _load_library():
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_C*.so")))
+    if not found:
+        raise ImportError(
+            f"mha_ext: the compiled library _C*.so is missing from {here}; "
+            "build it with `pip install --no-build-isolation -e .`"
+        )
+    torch.ops.load_library(found[0])
+    return found[0]
+
+
+library_path = _load_library()
+
+from . import ops  # noqa: E402  (registers fake kernels and autograd)
+from .modules import MultiheadAttention  # noqa: E402
+from .ops import scaled_dot_product_attention  # noqa: E402
+
+__all__ = ["scaled_dot_product_attention", "MultiheadAttention", "ops", "library_path"]

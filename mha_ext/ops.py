@@ -1,0 +1,223 @@
+"""Fake kernels, autograd and the functional API of the mha_ext ops.
+
+The schemas live in csrc/mha.cpp; the C++ library names this module with
+set_python_module, so loading the library from C++ first still finds these.
+The input checks below mirror csrc/checks.cpp word for word, so an error reads
+the same in eager mode and under torch.compile / torch.export.
+"""
+from typing import Optional
+
+import torch
+
+__all__ = ["scaled_dot_product_attention", "check_attention_inputs"]
+
+_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _fmt(sizes) -> str:
+    return "(" + ", ".join(str(s) for s in sizes) + ")"
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check(cond, msg_fn):
+    if not cond:
+        raise RuntimeError(msg_fn())
+
+
+def _check_qkv_tensor(name, t, query):
+    _check(
+        t.dtype in _FLOATS,
+        lambda: f"{name} must be a floating-point tensor (float64, float32, float16 or bfloat16), got {t.dtype}",
+    )
+    _check(
+        t.dim() >= 3,
+        lambda: f"{name} must have at least 3 dims (..., heads, seq_len, head_dim), got shape {_fmt(t.shape)}",
+    )
+    if t is query:
+        return
+    _check(t.dtype == query.dtype, lambda: f"{name} must have the same dtype as query ({query.dtype}), got {t.dtype}")
+    _check(
+        t.device == query.device,
+        lambda: f"{name} must be on the same device as query ({query.device}), got {t.device}",
+    )
+    _check(
+        t.dim() == query.dim(),
+        lambda: f"{name} must have the same number of dims as query ({query.dim()}), got {t.dim()}",
+    )
+    qb, tb = tuple(query.shape[:-3]), tuple(t.shape[:-3])
+    _check(qb == tb, lambda: f"{name} batch dims must equal query's {_fmt(qb)}, got {_fmt(tb)}")
+
+
+def check_attention_inputs(query, key, value, attn_mask, dropout_p, enable_gqa):
+    """The Python twin of mha_ext::check_attention_inputs (csrc/checks.cpp).
+
+    Returns (batch_sizes, Hq, Hkv, L, S, E, Ev)."""
+    _check_qkv_tensor("query", query, query)
+    _check_qkv_tensor("key", key, query)
+    _check_qkv_tensor("value", value, query)
+    batch = tuple(query.shape[:-3])
+    hq, L, E = query.shape[-3:]
+    hkv, S = key.shape[-3], key.shape[-2]
+    ev = value.shape[-1]
+    _check(key.shape[-1] == E, lambda: f"key must have the same head_dim as query ({E}), got {key.shape[-1]}")
+    _check(
+        value.shape[-3] == hkv,
+        lambda: f"value must have the same number of heads as key ({hkv}), got {value.shape[-3]}",
+    )
+    _check(value.shape[-2] == S, lambda: f"value must have the same seq_len as key ({S}), got {value.shape[-2]}")
+    if enable_gqa:
+        _check(
+            hkv > 0 and hq % hkv == 0,
+            lambda: f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) with enable_gqa=True",
+        )
+    else:
+        _check(
+            hkv == hq,
+            lambda: f"key must have the same number of heads as query ({hq}) unless enable_gqa=True, got {hkv}",
+        )
+    if attn_mask is not None:
+        m = attn_mask
+        _check(
+            m.dtype == torch.bool or m.dtype == query.dtype,
+            lambda: f"attn_mask must be bool or query's dtype ({query.dtype}), got {m.dtype}",
+        )
+        _check(
+            m.device == query.device,
+            lambda: f"attn_mask must be on the same device as query ({query.device}), got {m.device}",
+        )
+        target = batch + (hq, L, S)
+        ok = m.dim() <= len(target) and all(
+            m.shape[-i] == target[-i] or m.shape[-i] == 1 for i in range(1, m.dim() + 1)
+        )
+        _check(ok, lambda: f"attn_mask must broadcast to (N..., Hq, L, S) = {_fmt(target)}, got {_fmt(m.shape)}")
+    check_dropout_p(dropout_p)
+    return batch, hq, hkv, L, S, E, ev
+
+
+def check_dropout_p(dropout_p):
+    _check(0.0 <= dropout_p < 1.0, lambda: f"dropout_p must be in [0, 1), got {dropout_p:g}")
+
+
+def check_rng_state(r):
+    _check(
+        r.dtype == torch.int64 and r.numel() == 2 and r.dim() == 1 and r.device.type == "cpu",
+        lambda: "rng_state must be an int64 CPU tensor of shape (2) holding (seed, offset), got "
+        f"{r.dtype} of shape {_fmt(r.shape)} on {r.device}",
+    )
+
+
+def _check_same_shape(name, t, expected, like, dtype=None):
+    want = like.dtype if dtype is None else dtype
+    _check(t.dtype == want, lambda: f"{name} must have dtype {want}, got {t.dtype}")
+    _check(t.device == like.device, lambda: f"{name} must be on the same device as query ({like.device}), got {t.device}")
+    _check(tuple(t.shape) == tuple(expected), lambda: f"{name} must have shape {_fmt(expected)}, got {_fmt(t.shape)}")
+
+
+# ---------------------------------------------------------------------------
+# Fake kernels
+
+
+@torch.library.register_fake("mha_ext::attention")
+def _attention_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False, rng_state=None):
+    batch, hq, _, L, _, _, ev = check_attention_inputs(query, key, value, attn_mask, dropout_p, enable_gqa)
+    if dropout_p > 0.0 and rng_state is not None:
+        check_rng_state(rng_state)
+    out = query.new_empty(batch + (hq, L, ev))
+    lse = query.new_empty(batch + (hq, L), dtype=_acc_dtype(query.dtype))
+    rng = torch.empty(2, dtype=torch.int64, device="cpu")
+    return out, lse, rng
+
+
+@torch.library.register_fake("mha_ext::attention_backward")
+def _attention_backward_fake(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_causal,
+                             scale, enable_gqa, rng_state, attn_mask_requires_grad):
+    batch, hq, hkv, L, S, E, ev = check_attention_inputs(query, key, value, attn_mask, dropout_p, enable_gqa)
+    _check_same_shape("grad_out", grad_out, batch + (hq, L, ev), query)
+    _check_same_shape("out", out, batch + (hq, L, ev), query)
+    _check_same_shape("logsumexp", logsumexp, batch + (hq, L), query, _acc_dtype(query.dtype))
+    if dropout_p > 0.0:
+        check_rng_state(rng_state)
+    want_mask = attn_mask_requires_grad and attn_mask is not None and attn_mask.dtype != torch.bool
+    grad_mask = attn_mask.new_empty(attn_mask.shape) if want_mask else query.new_empty((0,))
+    return (
+        query.new_empty(batch + (hq, L, E)),
+        query.new_empty(batch + (hkv, S, E)),
+        query.new_empty(batch + (hkv, S, ev)),
+        grad_mask,
+    )
+
+
+@torch.library.register_fake("mha_ext::dropout_mask")
+def _dropout_mask_fake(rng_state, shape, dropout_p):
+    check_rng_state(rng_state)
+    check_dropout_p(dropout_p)
+    return torch.empty(shape, dtype=torch.bool, device=rng_state.device)
+
+
+# ---------------------------------------------------------------------------
+# Autograd
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, _ = inputs
+    out, lse, rng_used = output
+    ctx.mask_requires_grad = bool(
+        attn_mask is not None and attn_mask.requires_grad and attn_mask.dtype != torch.bool
+    )
+    ctx.has_mask = attn_mask is not None
+    ctx.save_for_backward(query, key, value, out, lse, rng_used, *([attn_mask] if ctx.has_mask else []))
+    ctx.args = (dropout_p, is_causal, scale, enable_gqa)
+    ctx.mark_non_differentiable(lse, rng_used)
+
+
+def _backward(ctx, grad_out, grad_lse, grad_rng):
+    query, key, value, out, lse, rng_used, *rest = ctx.saved_tensors
+    attn_mask = rest[0] if ctx.has_mask else None
+    dropout_p, is_causal, scale, enable_gqa = ctx.args
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    gq, gk, gv, gm = torch.ops.mha_ext.attention_backward(
+        grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng_used,
+        ctx.mask_requires_grad,
+    )
+    return gq, gk, gv, (gm if ctx.mask_requires_grad else None), None, None, None, None, None
+
+
+torch.library.register_autograd("mha_ext::attention", _backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------
+# Functional API
+
+
+def new_rng_state() -> torch.Tensor:
+    """A fresh dropout (seed, offset), drawn from torch's default CPU generator,
+    so torch.manual_seed reproduces it."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64)
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention, fused.
+
+    query (N..., Hq, L, E), key (N..., Hkv, S, E), value (N..., Hkv, S, Ev) ->
+    (N..., Hq, L, Ev). attn_mask is bool (True = may attend) or float (added to
+    the scores), broadcastable to (N..., Hq, L, S); is_causal (top-left) may be
+    combined with it. A query row that can attend to no key gives 0."""
+    rng_state = new_rng_state() if dropout_p > 0.0 else None
+    out, _, _ = torch.ops.mha_ext.attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng_state
+    )
+    return out

@@ -1,0 +1,64 @@
+"""Builds mha_ext._C: the C++ (and, where available, CUDA) sources under csrc/.
+
+CUDA is built when a CUDA toolkit (nvcc) and a CUDA build of torch are both
+present and csrc/cuda has sources; FORCE_CUDA=1 forces it, USE_CUDA=0 skips it.
+TORCH_CUDA_ARCH_LIST is honoured (default "8.0;9.0"). MAX_JOBS caps the
+parallel compile jobs. The decision is printed.
+"""
+import glob
+import os
+import shutil
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _sources(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def _decide_cuda(cuda_sources):
+    if os.environ.get("USE_CUDA", "") == "0":
+        return False, "USE_CUDA=0"
+    if os.environ.get("FORCE_CUDA", "") == "1":
+        return True, "FORCE_CUDA=1"
+    if not cuda_sources:
+        return False, "no CUDA sources under csrc/cuda"
+    if torch.version.cuda is None:
+        return False, "torch is a CPU-only build"
+    if CUDA_HOME is None or shutil.which("nvcc") is None and not os.path.exists(
+        os.path.join(CUDA_HOME or "", "bin", "nvcc")
+    ):
+        return False, "no CUDA toolkit (nvcc) found"
+    return True, f"nvcc at {CUDA_HOME}, torch CUDA {torch.version.cuda}"
+
+
+cpp_sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp")
+cuda_sources = _sources("csrc/cuda/*.cpp") + _sources("csrc/cuda/*.cu")
+with_cuda, why = _decide_cuda(cuda_sources)
+print(f"mha_ext: building {'CPU + CUDA' if with_cuda else 'CPU only'} ({why})", flush=True)
+
+cxx_flags = ["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas"]
+if with_cuda:
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    print(f"mha_ext: TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}", flush=True)
+    ext = CUDAExtension(
+        "mha_ext._C",
+        cpp_sources + cuda_sources,
+        extra_compile_args={"cxx": cxx_flags + ["-DMHA_EXT_WITH_CUDA"], "nvcc": ["-O3", "-DMHA_EXT_WITH_CUDA"]},
+    )
+else:
+    ext = CppExtension("mha_ext._C", cpp_sources, extra_compile_args={"cxx": cxx_flags})
+
+setup(
+    name="mha_ext",
+    version="0.1.0",
+    description="Fused multi-head attention for PyTorch as a custom operator (CPU and CUDA)",
+    packages=["mha_ext"],
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+)
