@@ -41,7 +41,10 @@ cuda_sources = _sources("csrc/cuda/*.cpp") + _sources("csrc/cuda/*.cu")
 with_cuda, why = _decide_cuda(cuda_sources)
 print(f"mha_ext: building {'CPU + CUDA' if with_cuda else 'CPU only'} ({why})", flush=True)
 
-cxx_flags = ["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas"]
+# -fopenmp: at::parallel_for is inline and only parallel when compiled with
+# OpenMP (torch's own libgomp.so.1, already loaded by torch, serves it).
+cxx_flags = ["-O3", "-fopenmp", "-fvisibility=hidden", "-Wall"]
+link_flags = ["-fopenmp"]
 if with_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     print(f"mha_ext: TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}", flush=True)
@@ -49,9 +52,10 @@ if with_cuda:
         "mha_ext._C",
         cpp_sources + cuda_sources,
         extra_compile_args={"cxx": cxx_flags + ["-DMHA_EXT_WITH_CUDA"], "nvcc": ["-O3", "-DMHA_EXT_WITH_CUDA"]},
+        extra_link_args=link_flags,
     )
 else:
-    ext = CppExtension("mha_ext._C", cpp_sources, extra_compile_args={"cxx": cxx_flags})
+    ext = CppExtension("mha_ext._C", cpp_sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
 
 setup(
     name="mha_ext",

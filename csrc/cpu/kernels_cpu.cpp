@@ -12,13 +12,15 @@
 // block at a time. No two items write the same memory and every sum runs in a
 // fixed order, so results do not depend on the number of threads.
 //
-// Matrix products on tiles go to the BLAS that libtorch_cpu exports (sgemm_ /
-// dgemm_); half and bfloat16 tiles are widened to float first. The row-wise
-// softmax pieces are plain loops compiled for AVX-512, AVX2 and baseline
-// x86-64 (target_clones), picked at load time by the CPU.
+// Matrix products on tiles go to cpu::gemm (gemm_cpu.h): register-blocked,
+// deterministic, with the instruction set chosen at run time; half and
+// bfloat16 tiles are widened to float first. The row-wise softmax pieces are
+// plain loops compiled for AVX-512, AVX2 and baseline x86-64 (target_clones),
+// picked at load time by the CPU.
 #include "kernels_cpu.h"
 
 #include "../dropout.h"
+#include "gemm_cpu.h"
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -27,21 +29,11 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
-
-extern "C" {
-void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-            const float* beta, float* c, const int* ldc);
-void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-            const double* alpha, const double* a, const int* lda, const double* b,
-            const int* ldb, const double* beta, double* c, const int* ldc);
-}
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define MHA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -87,20 +79,54 @@ inline float exp_nonpositive(float x) {
   return x != x ? x : y;
 }
 
+// Max that propagates NaN from b (a NaN score must make its row NaN).
+template <typename T>
+inline T nan_max(T a, T b) {
+  return (b > a || b != b) ? b : a;
+}
+
+// Max over a row, NaN-blind (vectorises); callers look for NaN only when it
+// comes out -inf, the one case where a NaN would otherwise be lost.
+template <typename T>
+bool has_nan(const T* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] != x[i]) return true;
+  return false;
+}
+
+// Reductions keep kLanes independent partial results (vertical, so the
+// compiler vectorises them without reassociating) and combine them at the end.
+constexpr int64_t kLanes = 16;
+
 MHA_CPU_CLONES float row_max_f(const float* x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
-  return m;
+  float m[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) m[l] = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) m[l] = x[i + l] > m[l] ? x[i + l] : m[l];
+  for (; i < n; ++i) m[0] = x[i] > m[0] ? x[i] : m[0];
+  float r = m[0];
+  for (int64_t l = 1; l < kLanes; ++l) r = m[l] > r ? m[l] : r;
+  return r;
 }
 
 // x[i] = exp(x[i] - sub); returns the sum.
 MHA_CPU_CLONES float exp_sub_sum_f(float* x, int64_t n, float sub) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    x[i] = exp_nonpositive(x[i] - sub);
-    s += x[i];
+  float s[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      x[i + l] = exp_nonpositive(x[i + l] - sub);
+      s[l] += x[i + l];
+    }
   }
-  return s;
+  for (; i < n; ++i) {
+    x[i] = exp_nonpositive(x[i] - sub);
+    s[0] += x[i];
+  }
+  float r = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) r += s[l];
+  return r;
 }
 
 MHA_CPU_CLONES void scale_f(float* x, int64_t n, float a) {
@@ -113,9 +139,14 @@ MHA_CPU_CLONES void softmax_grad_f(const float* p, float* dp, int64_t n, float d
 }
 
 MHA_CPU_CLONES float dot_f(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+  float s[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) s[l] += a[i + l] * b[i + l];
+  for (; i < n; ++i) s[0] += a[i] * b[i];
+  float r = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) r += s[l];
+  return r;
 }
 
 template <typename T>
@@ -161,35 +192,6 @@ struct RowOps<double> {
 };
 
 // ---------------------------------------------------------------------------
-// Row-major GEMM on tiles: C (M x N, ldc) = alpha * op(A) op(B) + beta * C,
-// op(A) M x K (A stored K x M when trans_a), op(B) K x N (B stored N x K when
-// trans_b). Column-major BLAS computes C^T = op(B)^T op(A)^T.
-
-inline int to_blas_int(int64_t x) {
-  TORCH_INTERNAL_ASSERT(x >= 0 && x <= INT_MAX, "tile dimension does not fit a BLAS int: ", x);
-  return static_cast<int>(x);
-}
-
-template <typename T>
-void gemm_rm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
-             int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
-  if (M == 0 || N == 0) return;
-  const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
-  const int m = to_blas_int(N), n = to_blas_int(M), k = to_blas_int(K);
-  const int la = to_blas_int(std::max<int64_t>(ldb, 1)), lb = to_blas_int(std::max<int64_t>(lda, 1));
-  const int lc = to_blas_int(std::max<int64_t>(ldc, 1));
-  if (K == 0) {  // BLAS leaves C alone when k == 0 only if beta == 1
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == T(0) ? T(0) : beta * C[i * ldc + j];
-    return;
-  }
-  if constexpr (std::is_same_v<T, float>) {
-    sgemm_(&ta, &tb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
-  } else {
-    dgemm_(&ta, &tb, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
-  }
-}
-
 // A (rows x cols) tile of a strided operand, as acc_t with a leading dimension:
 // the operand itself when it already is acc_t with unit column stride, else a
 // packed copy in `buf`.
@@ -197,8 +199,8 @@ template <typename scalar_t, typename acc_t>
 const acc_t* load_tile(const scalar_t* base, int64_t row_stride, int64_t col_stride,
                        int64_t rows, int64_t cols, acc_t* buf, int64_t* ld) {
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    if (col_stride == 1 && (rows <= 1 || (row_stride >= cols && row_stride <= INT_MAX))) {
-      *ld = rows <= 1 ? std::max<int64_t>(cols, 1) : row_stride;
+    if (col_stride == 1) {
+      *ld = row_stride;
       return base;
     }
   }
@@ -213,6 +215,24 @@ const acc_t* load_tile(const scalar_t* base, int64_t row_stride, int64_t col_str
   }
   *ld = cols;
   return buf;
+}
+
+// The transpose of a (rows x cols) strided tile, packed: dst[c * rows + r].
+// Blocks of 16 source rows: their cache lines stay in L1 while each output
+// row segment is written contiguously.
+template <typename scalar_t, typename acc_t>
+void load_tile_transposed(const scalar_t* base, int64_t row_stride, int64_t col_stride,
+                          int64_t rows, int64_t cols, acc_t* dst) {
+  constexpr int64_t kRows = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int64_t nr = std::min(kRows, rows - r0);
+    const scalar_t* src = base + r0 * row_stride;
+    for (int64_t c = 0; c < cols; ++c) {
+      acc_t* d = dst + c * rows + r0;
+      const scalar_t* sc = src + c * col_stride;
+      for (int64_t t = 0; t < nr; ++t) d[t] = static_cast<acc_t>(sc[t * row_stride]);
+    }
+  }
 }
 
 // Scores of one tile row after scale: adds the float mask or sets -inf where
@@ -266,7 +286,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   acc_t* lse = static_cast<acc_t*>(p.lse);
 
   at::parallel_for(0, p.batch * H * n_qblocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> q_buf(kBlockM * E), k_buf(kBlockN * E), v_buf(kBlockN * Ev);
+    std::vector<acc_t> q_buf(kBlockM * E), kt_buf(kBlockN * E), v_buf(kBlockN * Ev);
     std::vector<acc_t> s_buf(kBlockM * kBlockN), o_acc(kBlockM * Ev), row_max(kBlockM),
         row_sum(kBlockM);
     std::vector<uint8_t> keep(kBlockN);
@@ -274,7 +294,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
       const int64_t qb = w % n_qblocks, bh = w / n_qblocks;
       const int64_t h = bh % H, b = bh / H, hk = h / G;
       const int64_t i0 = qb * kBlockM, m = std::min(kBlockM, L - i0);
-      int64_t ldq = 0, ldk = 0, ldv = 0;
+      int64_t ldq = 0, ldv = 0;
       const acc_t* qt = load_tile(q + b * p.q_stride.b + h * p.q_stride.h + i0 * p.q_stride.row,
                                   p.q_stride.row, p.q_stride.col, m, E, q_buf.data(), &ldq);
       std::fill(o_acc.begin(), o_acc.begin() + m * Ev, acc_t(0));
@@ -284,19 +304,21 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
       const int64_t kv_end = visible_kv_end(p, i0, m);
       for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockN) {
         const int64_t n = std::min(kBlockN, kv_end - j0);
-        const acc_t* kt =
-            load_tile(k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row,
-                      p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
+        acc_t* k_t = kt_buf.data();  // K^T, (E x n)
+        load_tile_transposed(k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row,
+                             p.k_stride.row, p.k_stride.col, n, E, k_t);
         const acc_t* vt =
             load_tile(v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row,
                       p.v_stride.row, p.v_stride.col, n, Ev, v_buf.data(), &ldv);
         acc_t* s = s_buf.data();
-        gemm_rm<acc_t>(false, true, m, n, E, scale, qt, ldq, kt, ldk, acc_t(0), s, n);
+        cpu::gemm(m, n, E, scale, qt, ldq, 1, k_t, n, acc_t(0), s, n);  // S = scale Q K^T
         for (int64_t r = 0; r < m; ++r) {
           acc_t* srow = s + r * n;
           const int64_t i = i0 + r;
           mask_row<scalar_t>(p, b, h, i, j0, n, srow);
-          const acc_t new_max = std::max(row_max[r], Ops::max(srow, n));
+          acc_t tile_max = Ops::max(srow, n);
+          if (tile_max == kNegInf && has_nan(srow, n)) tile_max = std::numeric_limits<acc_t>::quiet_NaN();
+          const acc_t new_max = nan_max(row_max[r], tile_max);
           if (new_max == kNegInf) {  // every key so far is masked: P = 0
             std::fill(srow, srow + n, acc_t(0));
             continue;
@@ -312,8 +334,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
             for (int64_t c = 0; c < n; ++c) srow[c] = keep[c] ? srow[c] * rescale : acc_t(0);
           }
         }
-        gemm_rm<acc_t>(false, false, m, Ev, n, acc_t(1), s, n, vt, ldv, acc_t(1), o_acc.data(),
-                       Ev);
+        cpu::gemm(m, Ev, n, acc_t(1), s, n, 1, vt, ldv, acc_t(1), o_acc.data(), Ev);  // O += P V
       }
 
       for (int64_t r = 0; r < m; ++r) {
@@ -353,7 +374,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
 
   at::parallel_for(0, p.batch * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> q_buf(kBlockM * E), do_buf(kBlockM * Ev), o_buf(kBlockM * Ev);
-    std::vector<acc_t> k_buf(kBlockN * E), v_buf(kBlockN * Ev);
+    std::vector<acc_t> k_buf(kBlockN * E), kt_buf(kBlockN * E), vt_buf(kBlockN * Ev);
     std::vector<acc_t> p_buf(kBlockM * kBlockN), dp_buf(kBlockM * kBlockN);
     std::vector<acc_t> dq_acc(kBlockM * E), row_d(kBlockM);
     std::vector<uint8_t> keep(kBlockN);
@@ -365,7 +386,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
       std::fill(dv, dv + S * Ev, acc_t(0));
       for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {
         const int64_t m = std::min(kBlockM, L - i0);
-        int64_t ldq = 0, lddo = 0, ldo = 0, ldk = 0, ldv = 0;
+        int64_t ldq = 0, lddo = 0, ldo = 0, ldk = 0;
         const acc_t* qt = load_tile(q + b * p.q_stride.b + h * p.q_stride.h + i0 * p.q_stride.row,
                                     p.q_stride.row, p.q_stride.col, m, E, q_buf.data(), &ldq);
         const acc_t* dot = load_tile(
@@ -384,13 +405,16 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
           const acc_t* kt =
               load_tile(k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row,
                         p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
-          const acc_t* vt =
-              load_tile(v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row,
-                        p.v_stride.row, p.v_stride.col, n, Ev, v_buf.data(), &ldv);
+          acc_t* k_t = kt_buf.data();  // K^T, (E x n)
+          acc_t* v_t = vt_buf.data();  // V^T, (Ev x n)
+          load_tile_transposed(k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row,
+                               p.k_stride.row, p.k_stride.col, n, E, k_t);
+          load_tile_transposed(v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row,
+                               p.v_stride.row, p.v_stride.col, n, Ev, v_t);
           acc_t* pt = p_buf.data();
           acc_t* dpt = dp_buf.data();
-          gemm_rm<acc_t>(false, true, m, n, E, scale, qt, ldq, kt, ldk, acc_t(0), pt, n);
-          gemm_rm<acc_t>(false, true, m, n, Ev, acc_t(1), dot, lddo, vt, ldv, acc_t(0), dpt, n);
+          cpu::gemm(m, n, E, scale, qt, ldq, 1, k_t, n, acc_t(0), pt, n);      // S = scale Q K^T
+          cpu::gemm(m, n, Ev, acc_t(1), dot, lddo, 1, v_t, n, acc_t(0), dpt, n);  // dP = dO V^T
           for (int64_t r = 0; r < m; ++r) {
             const int64_t i = i0 + r;
             acc_t* prow = pt + r * n;
@@ -418,11 +442,9 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
               std::copy(dprow, dprow + n, gm);
             }
           }
-          // dV += P~^T dO, dQ += scale dS K, dK += scale dS^T Q
-          gemm_rm<acc_t>(true, false, n, Ev, m, acc_t(1), pt, n, dot, lddo, acc_t(1),
-                         dv + j0 * Ev, Ev);
-          gemm_rm<acc_t>(false, false, m, E, n, scale, dpt, n, kt, ldk, acc_t(1), dq_acc.data(), E);
-          gemm_rm<acc_t>(true, false, n, E, m, scale, dpt, n, qt, ldq, acc_t(1), dk + j0 * E, E);
+          cpu::gemm(n, Ev, m, acc_t(1), pt, 1, n, dot, lddo, acc_t(1), dv + j0 * Ev, Ev);  // dV += P~^T dO
+          cpu::gemm(m, E, n, scale, dpt, n, 1, kt, ldk, acc_t(1), dq_acc.data(), E);     // dQ += scale dS K
+          cpu::gemm(n, E, m, scale, dpt, 1, n, qt, ldq, acc_t(1), dk + j0 * E, E);        // dK += scale dS^T Q
         }
         scalar_t* dq_rows = dq_out + ((b * H + h) * L + i0) * E;
         for (int64_t x = 0; x < m * E; ++x) dq_rows[x] = static_cast<scalar_t>(dq_acc[x]);

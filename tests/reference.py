@@ -1,0 +1,95 @@
+"""The one independent reference for mha_ext's tests: plain float64 code,
+written from the definitions, sharing nothing with the kernels."""
+import math
+
+import numpy as np
+import torch
+
+
+def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+              keep=None, dropout_p=0.0):
+    """softmax(scale * q k^T + mask) v in float64, SDPA semantics.
+
+    attn_mask: bool (True = may attend) or float (added), broadcastable to
+    (..., Hq, L, S). is_causal: query i sees keys 0..i (top-left), applied
+    together with attn_mask. keep: bool dropout keep-mask (..., Hq, L, S).
+    A row with no key to attend to gives 0. Differentiable (autograd)."""
+    q, k, v = query.double(), key.double(), value.double()
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hq != hkv:
+        assert enable_gqa and hq % hkv == 0
+        k = k.repeat_interleave(hq // hkv, dim=-3)
+        v = v.repeat_interleave(hq // hkv, dim=-3)
+    L, S = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    allowed = torch.ones(L, S, dtype=torch.bool)
+    if is_causal:
+        allowed = torch.ones(L, S, dtype=torch.bool).tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            allowed = allowed & attn_mask
+        else:
+            scores = scores + attn_mask.double()
+    allowed = allowed.expand(scores.shape)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    any_key = allowed.any(dim=-1, keepdim=True) & (scores > float("-inf")).any(dim=-1, keepdim=True)
+    probs = torch.softmax(torch.where(any_key, scores, 0.0), dim=-1)
+    probs = torch.where(any_key, probs, 0.0)
+    if keep is not None:
+        probs = probs * keep.double() / (1.0 - dropout_p)
+    return probs @ v
+
+
+def logsumexp(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    q, k = query.double(), key.double()
+    if q.shape[-3] != k.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    L, S = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask.double()
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), float("-inf"))
+    return torch.logsumexp(scores, dim=-1)
+
+
+# Philox4x32-10 (Salmon et al., SC'11) on numpy arrays.
+_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_W0, _W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
+_LO = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(c0, c1, c2, c3, k0, k1):
+    c0, c1, c2, c3 = (np.asarray(x, dtype=np.uint32) for x in (c0, c1, c2, c3))
+    k0, k1 = np.uint32(k0), np.uint32(k1)
+    with np.errstate(over="ignore"):
+        for _ in range(10):
+            p0 = _M0 * c0.astype(np.uint64)
+            p1 = _M1 * c2.astype(np.uint64)
+            n0 = (p1 >> np.uint64(32)).astype(np.uint32) ^ c1 ^ k0
+            n1 = (p1 & _LO).astype(np.uint32)
+            n2 = (p0 >> np.uint64(32)).astype(np.uint32) ^ c3 ^ k1
+            n3 = (p0 & _LO).astype(np.uint32)
+            c0, c1, c2, c3 = n0, n1, n2, n3
+            k0, k1 = np.uint32(k0 + _W0), np.uint32(k1 + _W1)
+    return np.stack([c0, c1, c2, c3])
+
+
+def dropout_keep(seed, offset, shape, dropout_p):
+    """The keep mask of mha_ext's dropout contract: element (row, j) of the
+    flattened (rows, S) view uses word j % 4 of
+    Philox(key=seed, counter=(offset + j // 4, row)); it is dropped iff that
+    word < floor(p * 2^32)."""
+    *lead, S = shape
+    rows = int(np.prod(lead)) if lead else 1
+    row = np.repeat(np.arange(rows, dtype=np.uint64), S)
+    j = np.tile(np.arange(S, dtype=np.uint64), rows)
+    group = (np.uint64(offset) + j // np.uint64(4)).astype(np.uint64)
+    seed = np.uint64(seed)
+    words = philox4x32_10(group & _LO, group >> np.uint64(32), row & _LO, row >> np.uint64(32),
+                          seed & _LO, seed >> np.uint64(32))
+    word = words[(j % np.uint64(4)).astype(np.int64), np.arange(rows * S)]
+    threshold = np.uint64(math.floor(dropout_p * 2**32))
+    return torch.from_numpy(word.astype(np.uint64) >= threshold).reshape(shape)

@@ -1,0 +1,121 @@
+"""Backward of the fused op: float64 gradcheck on the real kernels, parity with
+autograd through the float64 reference, mask gradients, determinism."""
+import pytest
+import torch
+
+import mha_ext
+import reference as R
+
+sdpa = mha_ext.scaled_dot_product_attention
+
+
+def leaf(*shape, dtype=torch.float64):
+    return torch.randn(*shape, dtype=dtype, requires_grad=True)
+
+
+# name -> (q shape, k shape, v shape, kwargs builder)
+CASES = {
+    "plain": ((2, 2, 5, 4), (2, 2, 6, 4), (2, 2, 6, 3), lambda: {}),
+    "causal L<S": ((1, 2, 4, 4), (1, 2, 7, 4), (1, 2, 7, 4), lambda: {"is_causal": True}),
+    "causal L>S": ((1, 2, 7, 4), (1, 2, 3, 4), (1, 2, 3, 5), lambda: {"is_causal": True}),
+    "L=1": ((2, 1, 1, 4), (2, 1, 5, 4), (2, 1, 5, 4), lambda: {}),
+    "gqa": ((1, 4, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), lambda: {"enable_gqa": True}),
+    "scale": ((1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), lambda: {"scale": 0.7}),
+    "bool mask": ((2, 2, 5, 4), (2, 2, 6, 4), (2, 2, 6, 4), lambda: {"attn_mask": torch.rand(5, 6) > 0.4}),
+    "bool mask + fully masked row": ((1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4),
+                                     lambda: {"attn_mask": torch.tensor([[1] * 6, [0] * 6, [1, 0] * 3, [0, 1] * 3, [1] * 6]).bool()}),
+    "no batch dims": ((2, 5, 4), (2, 6, 4), (2, 6, 4), lambda: {}),
+    "two batch dims": ((2, 1, 2, 3, 4), (2, 1, 2, 4, 4), (2, 1, 2, 4, 2), lambda: {"is_causal": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gradcheck(name):
+    qs, ks, vs, kw = CASES[name]
+    q, k, v = leaf(*qs), leaf(*ks), leaf(*vs)
+    kwargs = kw()
+    assert torch.autograd.gradcheck(lambda q, k, v: sdpa(q, k, v, **kwargs), (q, k, v))
+
+
+@pytest.mark.parametrize("mask_shape", [(5, 6), (2, 1, 1, 6), (2, 2, 5, 6), (1, 6)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gradcheck_float_mask(mask_shape, is_causal):
+    q, k, v = leaf(2, 2, 5, 4), leaf(2, 2, 6, 4), leaf(2, 2, 6, 3)
+    m = leaf(*mask_shape)
+    assert torch.autograd.gradcheck(lambda q, k, v, m: sdpa(q, k, v, attn_mask=m, is_causal=is_causal), (q, k, v, m))
+
+
+def test_gradcheck_dropout_fixed_seed():
+    q, k, v = leaf(1, 2, 5, 4), leaf(1, 2, 7, 4), leaf(1, 2, 7, 3)
+    m = leaf(5, 7)
+    rng = torch.tensor([1234, 5], dtype=torch.int64)
+
+    def f(q, k, v, m):
+        return torch.ops.mha_ext.attention(q, k, v, m, 0.3, True, None, False, rng)[0]
+
+    assert torch.autograd.gradcheck(f, (q, k, v, m))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_backward_matches_reference(dtype, is_causal):
+    # several query and key tiles, GQA, E != Ev, strided grad_out
+    q, k, v = leaf(2, 4, 150, 32, dtype=dtype), leaf(2, 2, 300, 32, dtype=dtype), leaf(2, 2, 300, 48, dtype=dtype)
+    m = leaf(1, 4, 150, 300, dtype=dtype)
+    g = torch.randn(2, 150, 4, 48, dtype=dtype).transpose(1, 2)
+    out = sdpa(q, k, v, attn_mask=m, is_causal=is_causal, enable_gqa=True)
+    grads = torch.autograd.grad(out, (q, k, v, m), g)
+    ref = R.attention(q, k, v, attn_mask=m, is_causal=is_causal, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, (q, k, v, m), g.double())
+    tol = 1e-9 if dtype == torch.float64 else 2e-4
+    for a, b in zip(grads, ref_grads):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backward_low_precision_no_worse_than_torch(dtype):
+    import torch.nn.functional as F
+    shape_q, shape_kv = (2, 4, 130, 64), (2, 4, 200, 64)
+    q64, k64, v64 = torch.randn(shape_q).double(), torch.randn(shape_kv).double(), torch.randn(shape_kv).double()
+    g64 = torch.randn(shape_q).double()
+
+    def grads(fn, dt):
+        q, k, v = (t.to(dt).requires_grad_() for t in (q64, k64, v64))
+        return torch.autograd.grad(fn(q, k, v), (q, k, v), g64.to(dt))
+
+    ref = grads(lambda q, k, v: R.attention(q, k, v), torch.float64)
+    ours = grads(lambda q, k, v: sdpa(q, k, v), dtype)
+    theirs = grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), dtype)
+    for o, t, r in zip(ours, theirs, ref):
+        assert o.dtype == dtype
+        eo, et = (o.double() - r).abs().max().item(), (t.double() - r).abs().max().item()
+        assert eo <= 2.0 * et + 1e-6, (eo, et)
+
+
+def test_fully_masked_row_has_zero_gradient():
+    q, k, v = leaf(1, 1, 4, 8), leaf(1, 1, 5, 8), leaf(1, 1, 5, 8)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    mask[2] = False
+    out = sdpa(q, k, v, attn_mask=mask)
+    out.sum().backward()
+    assert torch.all(q.grad[..., 2, :] == 0) and torch.isfinite(q.grad).all()
+    assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+
+
+def test_backward_independent_of_thread_count():
+    q, k, v = leaf(2, 4, 200, 32, dtype=torch.float32), leaf(2, 2, 260, 32, dtype=torch.float32), leaf(2, 2, 260, 32, dtype=torch.float32)
+    m = leaf(200, 260, dtype=torch.float32)
+    g = torch.randn(2, 4, 200, 32)
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out = sdpa(q, k, v, attn_mask=m, enable_gqa=True)
+            results.append(torch.autograd.grad(out, (q, k, v, m), g))
+    finally:
+        torch.set_num_threads(old)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
