@@ -1,6 +1,7 @@
 // Every schema of the mha_ext library, defined once. Backends only m.impl;
 // fake kernels and autograd live in Python (mha_ext/ops.py), which the
-// library names with set_python_module so a C++-first load still finds them.
+// library names with set_python_module: torch checks that they are registered
+// from there and points a C++-first user at the module to import.
 #include <torch/library.h>
 
 TORCH_LIBRARY(mha_ext, m) {

@@ -1,7 +1,8 @@
 """Fake kernels, autograd and the functional API of the mha_ext ops.
 
 The schemas live in csrc/mha.cpp; the C++ library names this module with
-set_python_module, so loading the library from C++ first still finds these.
+set_python_module, so torch checks the registrations come from here and can
+point a C++-first user at it.
 The input checks below mirror csrc/checks.cpp word for word, so an error reads
 the same in eager mode and under torch.compile / torch.export.
 """

@@ -1,0 +1,78 @@
+"""Dropout: the counter-based Philox contract, forward/backward agreement with
+the reference under the same keep-mask, reproducibility, unbiasedness."""
+import pytest
+import torch
+
+import mha_ext
+import reference as R
+
+sdpa = mha_ext.scaled_dot_product_attention
+
+
+@pytest.mark.parametrize("seed,offset", [(0, 0), (123456789123, 77), (2**62 + 5, 2**33 + 3)])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 11), (1, 1, 1, 1), (3, 7, 64), (4, 257)])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_mask_matches_philox_reference(seed, offset, shape, p):
+    rng = torch.tensor([seed, offset], dtype=torch.int64)
+    ours = torch.ops.mha_ext.dropout_mask(rng, list(shape), p)
+    assert ours.dtype == torch.bool and ours.shape == shape
+    assert torch.equal(ours, R.dropout_keep(seed, offset, shape, p))
+
+
+def test_keep_fraction():
+    rng = torch.tensor([42, 0], dtype=torch.int64)
+    keep = torch.ops.mha_ext.dropout_mask(rng, [8, 16, 128, 128], 0.3)
+    n = keep.numel()
+    # 6 sigma of a binomial proportion
+    assert abs(keep.float().mean().item() - 0.7) < 6 * (0.3 * 0.7 / n) ** 0.5
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_forward_and_backward_match_reference_with_same_mask(is_causal):
+    q = torch.randn(2, 4, 70, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 300, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 300, 24, dtype=torch.float64, requires_grad=True)
+    m = torch.randn(70, 300, dtype=torch.float64, requires_grad=True)
+    p = 0.25
+    rng = torch.tensor([987654321, 12], dtype=torch.int64)
+    out, _, used = torch.ops.mha_ext.attention(q, k, v, m, p, is_causal, None, True, rng)
+    assert torch.equal(used, rng)
+    keep = R.dropout_keep(987654321, 12, (2, 4, 70, 300), p)
+    ref = R.attention(q, k, v, attn_mask=m, is_causal=is_causal, enable_gqa=True, keep=keep, dropout_p=p)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v, m), g)
+    theirs = torch.autograd.grad(ref, (q, k, v, m), g)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_reproducible_with_manual_seed_and_fresh_otherwise():
+    q, k, v = (torch.randn(2, 3, 40, 16) for _ in range(3))
+    torch.manual_seed(7)
+    a = sdpa(q, k, v, dropout_p=0.3)
+    b = sdpa(q, k, v, dropout_p=0.3)
+    torch.manual_seed(7)
+    c = sdpa(q, k, v, dropout_p=0.3)
+    assert torch.equal(a, c)
+    assert not torch.equal(a, b)
+
+
+def test_op_draws_rng_state_when_none_given():
+    q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+    torch.manual_seed(3)
+    out1, _, rng1 = torch.ops.mha_ext.attention(q, k, v, None, 0.4)
+    out2, _, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.4, False, None, False, rng1)
+    assert torch.equal(out1, out2)
+    torch.manual_seed(3)
+    assert torch.equal(torch.ops.mha_ext.attention(q, k, v, None, 0.4)[2], rng1)
+
+
+def test_unbiased():
+    # E[dropout output] = no-dropout output; judged against the standard error of the mean.
+    q, k, v = (torch.randn(1, 2, 8, 8, dtype=torch.float64) for _ in range(3))
+    exact = sdpa(q, k, v)
+    draws = torch.stack([sdpa(q, k, v, dropout_p=0.4) for _ in range(2000)])
+    mean, sem = draws.mean(0), draws.std(0) / 2000**0.5
+    z = ((mean - exact).abs() / sem).max().item()
+    assert z < 5.5, z
