@@ -31,7 +31,9 @@ MHA_HOST_DEVICE Philox4 philox4x32_10(uint64_t seed, uint64_t row, uint64_t col_
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   constexpr uint32_t kMulA = 0xD2511F53u, kMulB = 0xCD9E8D57u;
   constexpr uint32_t kWeylA = 0x9E3779B9u, kWeylB = 0xBB67AE85u;
+#if defined(__CUDACC__)
 #pragma unroll
+#endif
   for (int round = 0; round < 10; ++round) {
     const uint64_t pa = static_cast<uint64_t>(kMulA) * c0;
     const uint64_t pb = static_cast<uint64_t>(kMulB) * c2;
