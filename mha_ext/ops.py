@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["scaled_dot_product_attention", "check_attention_inputs"]
+__all__ = ["scaled_dot_product_attention", "check_attention_inputs", "cpu_isa"]
 
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -193,6 +193,13 @@ torch.library.register_autograd("mha_ext::attention", _backward, setup_context=_
 
 # ---------------------------------------------------------------------------
 # Functional API
+
+
+def cpu_isa() -> str:
+    """The instruction set of the CPU kernels in this process: "avx512", "avx2"
+    or "generic". MHA_EXT_CPU_ISA=generic|avx2 (set before the first call)
+    forces a lower one."""
+    return torch.ops.mha_ext.cpu_isa()
 
 
 def new_rng_state() -> torch.Tensor:

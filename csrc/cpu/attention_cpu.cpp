@@ -2,6 +2,7 @@
 #include "../attention_params.h"
 #include "../checks.h"
 #include "../dropout.h"
+#include "gemm_cpu.h"
 #include "kernels_cpu.h"
 
 #include <ATen/Dispatch.h>
@@ -265,7 +266,12 @@ at::Tensor dropout_mask_cpu(const at::Tensor& rng_state,  // int64 (seed, offset
   return keep;
 }
 
+std::string cpu_isa() { return cpu::isa_name(cpu::active_isa()); }
+
 }  // namespace
+
+// No tensor argument to dispatch on: the kernel serves every backend.
+TORCH_LIBRARY_IMPL(mha_ext, CompositeImplicitAutograd, m) { m.impl("cpu_isa", &cpu_isa); }
 
 TORCH_LIBRARY_IMPL(mha_ext, CPU, m) {
   m.impl("attention", &attention_fwd_cpu);

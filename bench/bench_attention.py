@@ -1,0 +1,288 @@
+"""mha_ext against torch's own attention on this machine, side by side in one
+process, interleaved, medians of repeated runs.
+
+    python bench/bench_attention.py            # the full grid (takes a while; progress shown)
+    python bench/bench_attention.py --quick    # a smaller grid
+    python bench/bench_attention.py --threads 1,2 --dtypes float32,bfloat16
+
+Tables (markdown, also written to bench/out/bench.md):
+  1. functional: mha_ext.scaled_dot_product_attention vs F.scaled_dot_product_attention,
+     forward and forward+backward, per heads x head_dim, L, case, dtype, threads;
+  2. module: mha_ext.MultiheadAttention vs nn.MultiheadAttention (need_weights=False);
+  3. ceiling: float32 forward GFLOP/s of mha_ext vs torch.mm on a large matmul;
+  4. memory: peak extra resident memory of forward+backward by L (O(L) vs O(L^2)).
+A PNG (bench/out/speedup.png) plots the speed-up against torch by L, one line per case.
+Attention FLOPs = 4 * B * H * L * S * E (forward), halved for causal; backward counted as 2.5x forward.
+"""
+import argparse
+import datetime
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import mha_ext  # noqa: E402
+from peakmem import peak_extra_mib, reexec_with_fixed_mmap_threshold  # noqa: E402
+
+CASES = ["plain", "causal", "dropout", "mask3d", "ev!=e"]
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def median_times(fns, reps, warmup=1):
+    """Interleaved: each rep runs every fn once, in turn. Returns medians (s)."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t)
+    return [statistics.median(t) for t in times]
+
+
+def batch_for(H, L, E, target_gflop):
+    return max(1, round(target_gflop * 1e9 / (4 * H * L * L * E)))
+
+
+def make_inputs(case, B, H, L, E, dtype, grad):
+    Ev = E // 2 if case == "ev!=e" else E
+    q = torch.randn(B, H, L, E, dtype=dtype, requires_grad=grad)
+    k = torch.randn(B, H, L, E, dtype=dtype, requires_grad=grad)
+    v = torch.randn(B, H, L, Ev, dtype=dtype, requires_grad=grad)
+    kw = dict(is_causal=case == "causal", dropout_p=0.1 if case == "dropout" else 0.0)
+    if case == "mask3d":
+        kw["attn_mask"] = torch.randn(1, L, L, dtype=dtype)
+    return q, k, v, kw
+
+
+def attention_fns(case, B, H, L, E, dtype, backward):
+    q, k, v, kw = make_inputs(case, B, H, L, E, dtype, backward)
+    g = torch.randn(B, H, L, v.shape[-1], dtype=dtype)
+
+    def run(f):
+        def go():
+            out = f(q, k, v, **kw)
+            if backward:
+                torch.autograd.grad(out, (q, k, v), g)
+
+        return go
+
+    return [run(mha_ext.scaled_dot_product_attention), run(F.scaled_dot_product_attention)]
+
+
+def attention_flops(case, B, H, L, E, backward):
+    f = 4.0 * B * H * L * L * E * (0.5 if case == "causal" else 1.0)
+    return f * (3.5 if backward else 1.0)
+
+
+def module_fns(case, B, H, L, E, dtype, backward):
+    d = H * E
+    p = 0.1 if case == "dropout" else 0.0
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(d, H, dropout=p, batch_first=True, dtype=dtype)
+    ours = mha_ext.MultiheadAttention(d, H, dropout=p, batch_first=True, dtype=dtype)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(B, L, d, dtype=dtype, requires_grad=backward)
+    mask = torch.ones(L, L, dtype=torch.bool).triu(1) if case == "causal" else None
+    for m in (ref, ours):
+        m.train(backward)
+
+    def run(m):
+        def go():
+            if backward:
+                out = m(x, x, x, attn_mask=mask, need_weights=False, is_causal=mask is not None)[0]
+                torch.autograd.grad(out, [x] + list(m.parameters()), torch.ones_like(out))
+            else:
+                with torch.no_grad():
+                    m(x, x, x, attn_mask=mask, need_weights=False, is_causal=mask is not None)
+
+        return go
+
+    return [run(ours), run(ref)]
+
+
+def table(headers, rows):
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="L = 512, 1024; 12x64 and 4x128; fewer reps")
+    ap.add_argument("--threads", default=str(torch.get_num_threads()), help="comma list, e.g. 1,2")
+    ap.add_argument("--dtypes", default="float32", help="comma list of float32, bfloat16, float16")
+    ap.add_argument("--shapes", default="12x64,16x64,20x64,4x128", help="heads x head_dim, comma list")
+    ap.add_argument("--lengths", default="512,1024,2048,4096")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--target-gflop", type=float, default=1.0, help="forward work per case, picks the batch")
+    ap.add_argument("--memory-lengths", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--no-module", action="store_true")
+    ap.add_argument("--out", default=os.path.join(HERE, "out"))
+    args = ap.parse_args()
+    reexec_with_fixed_mmap_threshold()
+    if args.quick:
+        args.shapes, args.lengths, args.reps = "12x64,4x128", "512,1024", 3
+        args.memory_lengths = "1024,2048,4096"
+    from tqdm import tqdm
+
+    threads = [int(t) for t in args.threads.split(",")]
+    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    cases = args.cases.split(",")
+    os.makedirs(args.out, exist_ok=True)
+    header = (f"mha_ext benchmark, {datetime.date.today()}, {cpu_name()}, {os.cpu_count()} CPUs, "
+              f"torch {torch.__version__}, CPU path {mha_ext.ops.cpu_isa()}\n"
+              f"command: python bench/bench_attention.py {' '.join(sys.argv[1:])}".rstrip())
+    print(header, flush=True)
+    report = [header, ""]
+
+    # 1. functional
+    jobs = [(t, dt, H, E, L, c) for t in threads for dt in dtypes for (H, E) in shapes for L in lengths for c in cases
+            if not (dt != torch.float32 and c in ("mask3d", "ev!=e"))]
+    rows, speedups = [], {}
+    for t, dt, H, E, L, c in tqdm(jobs, desc="functional", unit="case", file=sys.stderr):
+        torch.set_num_threads(t)
+        B = batch_for(H, L, E, args.target_gflop)
+        fwd = median_times(attention_fns(c, B, H, L, E, dt, False), args.reps)
+        bwd = median_times(attention_fns(c, B, H, L, E, dt, True), args.reps)
+        gf = attention_flops(c, B, H, L, E, False) / fwd[0] / 1e9
+        rows.append([t, str(dt).replace("torch.", ""), f"{H}x{E}", L, B, c,
+                     f"{fwd[0]*1e3:.1f}", f"{fwd[1]*1e3:.1f}", f"{fwd[1]/fwd[0]:.2f}",
+                     f"{bwd[0]*1e3:.1f}", f"{bwd[1]*1e3:.1f}", f"{bwd[1]/bwd[0]:.2f}", f"{gf:.0f}"])
+        speedups.setdefault((t, dt, c), []).append((L, H, E, fwd[1] / fwd[0], bwd[1] / bwd[0]))
+    t1 = table(["threads", "dtype", "HxE", "L", "B", "case", "fwd ms mha_ext", "fwd ms torch", "fwd speed-up",
+                "fwd+bwd ms mha_ext", "fwd+bwd ms torch", "fwd+bwd speed-up", "mha_ext fwd GFLOP/s"], rows)
+    summary = []
+    for (t, dt, c), vals in speedups.items():
+        summary.append([t, str(dt).replace("torch.", ""), c, f"{geomean([v[3] for v in vals]):.2f}",
+                        f"{min(v[3] for v in vals):.2f}", f"{geomean([v[4] for v in vals]):.2f}",
+                        f"{min(v[4] for v in vals):.2f}"])
+    t1s = table(["threads", "dtype", "case", "fwd geomean", "fwd min", "fwd+bwd geomean", "fwd+bwd min"], summary)
+    report += ["## mha_ext.scaled_dot_product_attention vs F.scaled_dot_product_attention",
+               "speed-up = torch time / mha_ext time", "", t1, "", "Summary over the grid:", "", t1s, ""]
+    print("\n" + "\n".join(report[-7:]), flush=True)
+
+    # 2. module
+    if not args.no_module:
+        rows = []
+        mjobs = [(H, E, L, c) for (H, E) in shapes for L in lengths for c in ("plain", "causal", "dropout")]
+        torch.set_num_threads(threads[-1])
+        for H, E, L, c in tqdm(mjobs, desc="module", unit="case", file=sys.stderr):
+            B = batch_for(H, L, E, args.target_gflop)
+            fwd = median_times(module_fns(c, B, H, L, E, torch.float32, False), args.reps)
+            bwd = median_times(module_fns(c, B, H, L, E, torch.float32, True), args.reps)
+            rows.append([f"{H}x{E}", L, B, c, f"{fwd[0]*1e3:.1f}", f"{fwd[1]*1e3:.1f}", f"{fwd[1]/fwd[0]:.2f}",
+                         f"{bwd[0]*1e3:.1f}", f"{bwd[1]*1e3:.1f}", f"{bwd[1]/bwd[0]:.2f}"])
+        t2 = table(["HxE", "L", "B", "case", "fwd ms mha_ext", "fwd ms torch", "fwd speed-up",
+                    "fwd+bwd ms mha_ext", "fwd+bwd ms torch", "fwd+bwd speed-up"], rows)
+        report += [f"## mha_ext.MultiheadAttention vs nn.MultiheadAttention (float32, {threads[-1]} threads, "
+                   "need_weights=False; forward in eval/no_grad, forward+backward in training)", "", t2, ""]
+        print("\n".join(report[-4:]), flush=True)
+
+    # 3. ceiling
+    rows = []
+    for t in threads:
+        torch.set_num_threads(t)
+        a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
+        mm = median_times([lambda: torch.mm(a, b)], 5)[0]
+        mm_gf = 2 * 4096**3 / mm / 1e9
+        for L in [x for x in lengths if x >= 1024]:
+            H, E = 12, 64
+            B = batch_for(H, L, E, args.target_gflop)
+            fwd = median_times(attention_fns("plain", B, H, L, E, torch.float32, False)[:1], args.reps)[0]
+            gf = attention_flops("plain", B, H, L, E, False) / fwd / 1e9
+            rows.append([t, L, f"{gf:.0f}", f"{mm_gf:.0f}", f"{100 * gf / mm_gf:.0f}%"])
+    t3 = table(["threads", "L (12x64)", "mha_ext fwd GFLOP/s", "torch.mm 4096^3 GFLOP/s", "ratio"], rows)
+    report += ["## Ceiling: float32 forward attention vs a large torch.mm", "", t3, ""]
+    print("\n".join(report[-4:]), flush=True)
+
+    # 4. memory
+    torch.set_num_threads(threads[-1])
+    rows = []
+    H, E = 4, 64
+    for L in [int(x) for x in args.memory_lengths.split(",")]:
+        row = [L]
+        for name, kw in (("mha_ext", {}), ("torch fused", {}), ("torch math (dropout 0.1)", {"dropout_p": 0.1})):
+            need_gib = 4 * H * L * L * 4 / 2**30  # the math path keeps ~4 L x L float32 matrices per head
+            if name.startswith("torch math") and need_gib > 8:
+                row.append(f"skipped (~{need_gib:.0f} GiB)")
+                continue
+            q, k, v = (torch.randn(1, H, L, E, requires_grad=True) for _ in range(3))
+            f = mha_ext.scaled_dot_product_attention if name == "mha_ext" else F.scaled_dot_product_attention
+            kw2 = dict(kw)
+            if name == "mha_ext":
+                kw2["dropout_p"] = 0.1
+
+            def go():
+                out = f(q, k, v, **kw2)
+                torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+            go()
+            _, mib = peak_extra_mib(go)
+            row.append(f"{mib:.1f}")
+        rows.append(row)
+    t4 = table(["L (B=1, 4x64)", "mha_ext (dropout 0.1) MiB", "torch fused MiB", "torch math (dropout 0.1) MiB"], rows)
+    report += ["## Peak extra memory of forward+backward (inputs excluded)", "", t4, ""]
+    print("\n".join(report[-4:]), flush=True)
+
+    path = os.path.join(args.out, "bench.md")
+    with open(path, "w") as fh:
+        fh.write("\n".join(report) + "\n")
+    print(f"written: {path}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for (t, dt, c), vals in speedups.items():
+            by_l = {}
+            for L, H, E, sf, sb in vals:
+                by_l.setdefault(L, []).append(sb)
+            xs = sorted(by_l)
+            ax.plot(xs, [geomean(by_l[x]) for x in xs], marker="o",
+                    label=f"{c}, {str(dt).replace('torch.', '')}, {t} thr")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length L")
+        ax.set_ylabel("speed-up vs torch (fwd+bwd, geomean over shapes)")
+        ax.set_title(f"mha_ext vs torch SDPA on {cpu_name()}, {datetime.date.today()}", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        png = os.path.join(args.out, "speedup.png")
+        fig.savefig(png, dpi=110)
+        print(f"written: {png}")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+if __name__ == "__main__":
+    main()

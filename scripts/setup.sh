@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Sets everything up from nothing, idempotently: a .venv at the repo root with
+# the pinned requirements, the extension built against that torch
+# (--no-build-isolation), and, with --cpp, GoogleTest and the LibTorch build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+want_cpp=0
+[ "${1:-}" = "--cpp" ] && want_cpp=1
+
+py=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "==> creating .venv"
+  "$py" -m venv .venv
+fi
+echo "==> installing pinned requirements into .venv"
+.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt
+
+echo "==> building mha_ext"
+MAX_JOBS=${MAX_JOBS:-2} .venv/bin/python -m pip install -q --disable-pip-version-check \
+  --no-build-isolation --no-deps -e . 2>&1 | grep -v "^\s*$" || true
+.venv/bin/python -c "import mha_ext, sys; print('mha_ext built:', mha_ext.library_path)" || {
+  echo "mha_ext failed to build or import" >&2; exit 1; }
+
+if [ "$want_cpp" = 1 ]; then
+  if [ ! -f /usr/include/gtest/gtest.h ]; then
+    echo "==> installing GoogleTest (libgtest-dev) and cmake"
+    if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi
+    $sudo apt-get update -qq && $sudo apt-get install -y -qq libgtest-dev cmake >/dev/null
+  fi
+  mkdir -p build
+  echo "==> building the LibTorch library and the C++ tests (CMake)"
+  prefix=$(.venv/bin/python -c 'import torch; print(torch.utils.cmake_prefix_path)')
+  cuda_root=${CUDA_HOME:-/usr/local/cuda}
+  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0} cmake -S . -B build/cmake -DCMAKE_PREFIX_PATH="$prefix" \
+    -DCUDA_TOOLKIT_ROOT_DIR="$cuda_root" -DCUDAToolkit_ROOT="$cuda_root" >build/cmake-configure.log 2>&1 || {
+    cat build/cmake-configure.log >&2; exit 1; }
+  cmake --build build/cmake -j "${MAX_JOBS:-2}" >build/cmake-build.log 2>&1 || {
+    tail -50 build/cmake-build.log >&2; exit 1; }
+fi
