@@ -133,22 +133,23 @@ def geomean(xs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="L = 512, 1024; 12x64 and 4x128; fewer reps")
+    ap.add_argument("--quick", action="store_true", help="defaults to L = 512, 1024 and shapes 12x64, 4x128")
     ap.add_argument("--threads", default=str(torch.get_num_threads()), help="comma list, e.g. 1,2")
     ap.add_argument("--dtypes", default="float32", help="comma list of float32, bfloat16, float16")
-    ap.add_argument("--shapes", default="12x64,16x64,20x64,4x128", help="heads x head_dim, comma list")
-    ap.add_argument("--lengths", default="512,1024,2048,4096")
+    ap.add_argument("--shapes", default=None, help="heads x head_dim, comma list (default 12x64,16x64,20x64,4x128)")
+    ap.add_argument("--lengths", default=None, help="comma list (default 512,1024,2048,4096)")
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="timed runs per case, after one warm-up")
     ap.add_argument("--target-gflop", type=float, default=1.0, help="forward work per case, picks the batch")
-    ap.add_argument("--memory-lengths", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--memory-lengths", default=None, help="default 1024,2048,4096,8192,16384")
     ap.add_argument("--no-module", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "out"))
     args = ap.parse_args()
     reexec_with_fixed_mmap_threshold()
-    if args.quick:
-        args.shapes, args.lengths, args.reps = "12x64,4x128", "512,1024", 3
-        args.memory_lengths = "1024,2048,4096"
+    # --quick changes the defaults only; explicit options win.
+    args.shapes = args.shapes or ("12x64,4x128" if args.quick else "12x64,16x64,20x64,4x128")
+    args.lengths = args.lengths or ("512,1024" if args.quick else "512,1024,2048,4096")
+    args.memory_lengths = args.memory_lengths or ("1024,2048,4096" if args.quick else "1024,2048,4096,8192,16384")
     from tqdm import tqdm
 
     threads = [int(t) for t in args.threads.split(",")]
