@@ -25,26 +25,33 @@ struct Philox4 {
   uint32_t w[4];
 };
 
+constexpr uint32_t kPhiloxMulA = 0xD2511F53u, kPhiloxMulB = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxWeylA = 0x9E3779B9u, kPhiloxWeylB = 0xBB67AE85u;
+
+// One Philox4x32 round on counter (c0, c1, c2, c3) with key (k0, k1).
+MHA_HOST_DEVICE void philox_round(uint32_t& c0, uint32_t& c1, uint32_t& c2, uint32_t& c3,
+                                  uint32_t k0, uint32_t k1) {
+  const uint64_t pa = static_cast<uint64_t>(kPhiloxMulA) * c0;
+  const uint64_t pb = static_cast<uint64_t>(kPhiloxMulB) * c2;
+  const uint32_t n0 = static_cast<uint32_t>(pb >> 32) ^ c1 ^ k0;
+  const uint32_t n2 = static_cast<uint32_t>(pa >> 32) ^ c3 ^ k1;
+  c1 = static_cast<uint32_t>(pb);
+  c3 = static_cast<uint32_t>(pa);
+  c0 = n0;
+  c2 = n2;
+}
+
 MHA_HOST_DEVICE Philox4 philox4x32_10(uint64_t seed, uint64_t row, uint64_t col_group) {
   uint32_t c0 = static_cast<uint32_t>(col_group), c1 = static_cast<uint32_t>(col_group >> 32);
   uint32_t c2 = static_cast<uint32_t>(row), c3 = static_cast<uint32_t>(row >> 32);
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  constexpr uint32_t kMulA = 0xD2511F53u, kMulB = 0xCD9E8D57u;
-  constexpr uint32_t kWeylA = 0x9E3779B9u, kWeylB = 0xBB67AE85u;
 #if defined(__CUDACC__)
 #pragma unroll
 #endif
   for (int round = 0; round < 10; ++round) {
-    const uint64_t pa = static_cast<uint64_t>(kMulA) * c0;
-    const uint64_t pb = static_cast<uint64_t>(kMulB) * c2;
-    const uint32_t hi_a = static_cast<uint32_t>(pa >> 32), lo_a = static_cast<uint32_t>(pa);
-    const uint32_t hi_b = static_cast<uint32_t>(pb >> 32), lo_b = static_cast<uint32_t>(pb);
-    c0 = hi_b ^ c1 ^ k0;
-    c1 = lo_b;
-    c2 = hi_a ^ c3 ^ k1;
-    c3 = lo_a;
-    k0 += kWeylA;
-    k1 += kWeylB;
+    philox_round(c0, c1, c2, c3, k0, k1);
+    k0 += kPhiloxWeylA;
+    k1 += kPhiloxWeylB;
   }
   return Philox4{{c0, c1, c2, c3}};
 }

@@ -13,7 +13,8 @@ if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi
 echo "==> installing pinned requirements into .venv"
-.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt
+.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 |
+  { grep -v "^WARNING: Location 'file:" || true; }
 
 echo "==> building mha_ext"
 MAX_JOBS=${MAX_JOBS:-2} .venv/bin/python -m pip install -q --disable-pip-version-check \

@@ -254,13 +254,14 @@ at::Tensor dropout_mask_cpu(const at::Tensor& rng_state,  // int64 (seed, offset
   at::Tensor keep = at::empty(shape, at::TensorOptions().dtype(at::kBool));
   const int64_t S = shape.back();
   const int64_t rows = S == 0 ? 0 : keep.numel() / S;
-  const uint64_t seed = static_cast<uint64_t>(rng_state.const_data_ptr<int64_t>()[0]);
-  const uint64_t offset = static_cast<uint64_t>(rng_state.const_data_ptr<int64_t>()[1]);
-  const uint32_t thr = static_cast<uint32_t>(std::floor(dropout_p * 4294967296.0));
+  DropoutParams d;
+  d.seed = static_cast<uint64_t>(rng_state.const_data_ptr<int64_t>()[0]);
+  d.offset = static_cast<uint64_t>(rng_state.const_data_ptr<int64_t>()[1]);
+  d.drop_threshold = static_cast<uint32_t>(std::floor(dropout_p * 4294967296.0));
   uint8_t* dst = reinterpret_cast<uint8_t*>(keep.data_ptr<bool>());
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      dropout_keep_row(seed, offset, static_cast<uint64_t>(r), 0, S, thr, dst + r * S);
+      dropout_keep_row_cpu(d, static_cast<uint64_t>(r), 0, S, dst + r * S);
     }
   });
   return keep;

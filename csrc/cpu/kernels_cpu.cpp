@@ -49,6 +49,8 @@ namespace {
 // and the output accumulator.
 constexpr int64_t kBlockM = 64;
 constexpr int64_t kBlockN = 256;
+// The forward packs each K^T / V tile once for kChunkM query rows (4 blocks).
+constexpr int64_t kChunkM = 256;
 
 // ---------------------------------------------------------------------------
 // Row operations. Float versions are cloned per instruction set; double uses
@@ -192,17 +194,20 @@ struct RowOps<double> {
 };
 
 // ---------------------------------------------------------------------------
+template <typename scalar_t, typename acc_t>
+constexpr bool tile_needs_pack(int64_t col_stride) {
+  return !(std::is_same_v<scalar_t, acc_t> && col_stride == 1);
+}
+
 // A (rows x cols) tile of a strided operand, as acc_t with a leading dimension:
 // the operand itself when it already is acc_t with unit column stride, else a
 // packed copy in `buf`.
 template <typename scalar_t, typename acc_t>
 const acc_t* load_tile(const scalar_t* base, int64_t row_stride, int64_t col_stride,
                        int64_t rows, int64_t cols, acc_t* buf, int64_t* ld) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    if (col_stride == 1) {
-      *ld = row_stride;
-      return base;
-    }
+  if (!tile_needs_pack<scalar_t, acc_t>(col_stride)) {
+    *ld = row_stride;
+    return reinterpret_cast<const acc_t*>(base);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const scalar_t* src = base + r * row_stride;
@@ -258,6 +263,48 @@ void mask_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int6
   }
 }
 
+// dropout_keep_row (dropout.h) for the CPU, 64 columns at a time: 16 Philox
+// counters advance side by side in arrays the compiler vectorises. Same words,
+// same keep bits as the scalar version, which handles the ragged ends.
+MHA_CPU_CLONES void philox_keep64(uint64_t seed, uint64_t row, uint64_t group0, uint32_t threshold,
+                                  uint8_t* keep) {
+  constexpr int kL = 16;
+  uint32_t c0[kL], c1[kL], c2[kL], c3[kL];
+  for (int l = 0; l < kL; ++l) {
+    const uint64_t g = group0 + static_cast<uint64_t>(l);
+    c0[l] = static_cast<uint32_t>(g);
+    c1[l] = static_cast<uint32_t>(g >> 32);
+    c2[l] = static_cast<uint32_t>(row);
+    c3[l] = static_cast<uint32_t>(row >> 32);
+  }
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    for (int l = 0; l < kL; ++l) philox_round(c0[l], c1[l], c2[l], c3[l], k0, k1);
+    k0 += kPhiloxWeylA;
+    k1 += kPhiloxWeylB;
+  }
+  for (int l = 0; l < kL; ++l) {
+    keep[4 * l + 0] = c0[l] >= threshold;
+    keep[4 * l + 1] = c1[l] >= threshold;
+    keep[4 * l + 2] = c2[l] >= threshold;
+    keep[4 * l + 3] = c3[l] >= threshold;
+  }
+}
+
+}  // namespace
+
+void dropout_keep_row_cpu(const DropoutParams& d, uint64_t row, int64_t j0, int64_t n, uint8_t* keep) {
+  int64_t t = 0;
+  const int64_t head = std::min<int64_t>(n, (4 - (j0 & 3)) & 3);  // up to a multiple of 4
+  if (head > 0) dropout_keep_row(d.seed, d.offset, row, j0, head, d.drop_threshold, keep);
+  t = head;
+  for (; t + 64 <= n; t += 64)
+    philox_keep64(d.seed, row, d.offset + static_cast<uint64_t>((j0 + t) >> 2), d.drop_threshold, keep + t);
+  if (t < n) dropout_keep_row(d.seed, d.offset, row, j0 + t, n - t, d.drop_threshold, keep + t);
+}
+
+namespace {
+
 inline uint64_t dropout_row_id(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i) {
   return static_cast<uint64_t>((b * p.heads_q + h) * p.len_q + i);
 }
@@ -276,7 +323,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   const int64_t H = p.heads_q, L = p.len_q, E = p.head_dim, Ev = p.head_dim_v;
   const int64_t G = p.group_size();
-  const int64_t n_qblocks = (L + kBlockM - 1) / kBlockM;
+  const int64_t n_chunks = (L + kChunkM - 1) / kChunkM;
   const acc_t scale = static_cast<acc_t>(p.scale);
   const acc_t rescale = static_cast<acc_t>(p.dropout.rescale);
   const scalar_t* q = static_cast<const scalar_t*>(p.q);
@@ -285,60 +332,68 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   scalar_t* out = static_cast<scalar_t*>(p.out);
   acc_t* lse = static_cast<acc_t*>(p.lse);
 
-  at::parallel_for(0, p.batch * H * n_qblocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> q_buf(kBlockM * E), kt_buf(kBlockN * E), v_buf(kBlockN * Ev);
-    std::vector<acc_t> s_buf(kBlockM * kBlockN), o_acc(kBlockM * Ev), row_max(kBlockM),
-        row_sum(kBlockM);
+  // Work item: (batch, head, chunk of kChunkM query rows). A K^T / V tile is
+  // packed once per chunk and used by each of its kBlockM-row query blocks.
+  at::parallel_for(0, p.batch * H * n_chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> q_buf(kChunkM * E), kt_buf(kBlockN * E), v_buf(kBlockN * Ev);
+    std::vector<acc_t> s_buf(kBlockM * kBlockN), o_acc(kChunkM * Ev), row_max(kChunkM),
+        row_sum(kChunkM);
     std::vector<uint8_t> keep(kBlockN);
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t qb = w % n_qblocks, bh = w / n_qblocks;
+      const int64_t chunk = w % n_chunks, bh = w / n_chunks;
       const int64_t h = bh % H, b = bh / H, hk = h / G;
-      const int64_t i0 = qb * kBlockM, m = std::min(kBlockM, L - i0);
+      const int64_t c0 = chunk * kChunkM, cm = std::min(kChunkM, L - c0);
       int64_t ldq = 0, ldv = 0;
-      const acc_t* qt = load_tile(q + b * p.q_stride.b + h * p.q_stride.h + i0 * p.q_stride.row,
-                                  p.q_stride.row, p.q_stride.col, m, E, q_buf.data(), &ldq);
-      std::fill(o_acc.begin(), o_acc.begin() + m * Ev, acc_t(0));
+      const acc_t* qc = load_tile(q + b * p.q_stride.b + h * p.q_stride.h + c0 * p.q_stride.row,
+                                  p.q_stride.row, p.q_stride.col, cm, E, q_buf.data(), &ldq);
+      std::fill(o_acc.begin(), o_acc.begin() + cm * Ev, acc_t(0));
       std::fill(row_max.begin(), row_max.end(), kNegInf);
       std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
 
-      const int64_t kv_end = visible_kv_end(p, i0, m);
-      for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockN) {
-        const int64_t n = std::min(kBlockN, kv_end - j0);
+      const int64_t chunk_kv_end = visible_kv_end(p, c0, cm);
+      for (int64_t j0 = 0; j0 < chunk_kv_end; j0 += kBlockN) {
+        const int64_t n = std::min(kBlockN, chunk_kv_end - j0);
         acc_t* k_t = kt_buf.data();  // K^T, (E x n)
         load_tile_transposed(k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row,
                              p.k_stride.row, p.k_stride.col, n, E, k_t);
         const acc_t* vt =
             load_tile(v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row,
                       p.v_stride.row, p.v_stride.col, n, Ev, v_buf.data(), &ldv);
-        acc_t* s = s_buf.data();
-        cpu::gemm(m, n, E, scale, qt, ldq, 1, k_t, n, acc_t(0), s, n);  // S = scale Q K^T
-        for (int64_t r = 0; r < m; ++r) {
-          acc_t* srow = s + r * n;
-          const int64_t i = i0 + r;
-          mask_row<scalar_t>(p, b, h, i, j0, n, srow);
-          acc_t tile_max = Ops::max(srow, n);
-          if (tile_max == kNegInf && has_nan(srow, n)) tile_max = std::numeric_limits<acc_t>::quiet_NaN();
-          const acc_t new_max = nan_max(row_max[r], tile_max);
-          if (new_max == kNegInf) {  // every key so far is masked: P = 0
-            std::fill(srow, srow + n, acc_t(0));
-            continue;
+        for (int64_t r0 = 0; r0 < cm; r0 += kBlockM) {
+          const int64_t i0 = c0 + r0, m = std::min(kBlockM, cm - r0);
+          const int64_t nq = std::min(n, visible_kv_end(p, i0, m) - j0);  // causal: fewer columns
+          if (nq <= 0) continue;
+          acc_t* s = s_buf.data();
+          acc_t* o_blk = o_acc.data() + r0 * Ev;
+          cpu::gemm(m, nq, E, scale, qc + r0 * ldq, ldq, 1, k_t, n, acc_t(0), s, nq);  // S = scale Q K^T
+          for (int64_t r = 0; r < m; ++r) {
+            acc_t* srow = s + r * nq;
+            const int64_t i = i0 + r;
+            acc_t& rmax = row_max[r0 + r];
+            mask_row<scalar_t>(p, b, h, i, j0, nq, srow);
+            acc_t tile_max = Ops::max(srow, nq);
+            if (tile_max == kNegInf && has_nan(srow, nq)) tile_max = std::numeric_limits<acc_t>::quiet_NaN();
+            const acc_t new_max = nan_max(rmax, tile_max);
+            if (new_max == kNegInf) {  // every key so far is masked: P = 0
+              std::fill(srow, srow + nq, acc_t(0));
+              continue;
+            }
+            const acc_t alpha = rmax == kNegInf ? acc_t(0) : std::exp(rmax - new_max);
+            const acc_t sum = Ops::exp_sub_sum(srow, nq, new_max);
+            row_sum[r0 + r] = row_sum[r0 + r] * alpha + sum;
+            rmax = new_max;
+            if (alpha != acc_t(1)) Ops::scale(o_blk + r * Ev, Ev, alpha);
+            if (p.dropout.enabled()) {
+              dropout_keep_row_cpu(p.dropout, dropout_row_id(p, b, h, i), j0, nq, keep.data());
+              for (int64_t c = 0; c < nq; ++c) srow[c] = keep[c] ? srow[c] * rescale : acc_t(0);
+            }
           }
-          const acc_t alpha = row_max[r] == kNegInf ? acc_t(0) : std::exp(row_max[r] - new_max);
-          const acc_t sum = Ops::exp_sub_sum(srow, n, new_max);
-          row_sum[r] = row_sum[r] * alpha + sum;
-          row_max[r] = new_max;
-          if (alpha != acc_t(1)) Ops::scale(o_acc.data() + r * Ev, Ev, alpha);
-          if (p.dropout.enabled()) {
-            dropout_keep_row(p.dropout.seed, p.dropout.offset, dropout_row_id(p, b, h, i), j0, n,
-                             p.dropout.drop_threshold, keep.data());
-            for (int64_t c = 0; c < n; ++c) srow[c] = keep[c] ? srow[c] * rescale : acc_t(0);
-          }
+          cpu::gemm(m, Ev, nq, acc_t(1), s, nq, 1, vt, ldv, acc_t(1), o_blk, Ev);  // O += P V
         }
-        cpu::gemm(m, Ev, n, acc_t(1), s, n, 1, vt, ldv, acc_t(1), o_acc.data(), Ev);  // O += P V
       }
 
-      for (int64_t r = 0; r < m; ++r) {
-        const int64_t i = i0 + r;
+      for (int64_t r = 0; r < cm; ++r) {
+        const int64_t i = c0 + r;
         const acc_t l = row_sum[r];
         const acc_t inv = l > acc_t(0) ? acc_t(1) / l : acc_t(0);
         scalar_t* orow = out + b * p.out_stride.b + h * p.out_stride.h + i * p.out_stride.row;
@@ -372,11 +427,16 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   acc_t* dv_all = static_cast<acc_t*>(p.grad_v);
   acc_t* dmask_all = static_cast<acc_t*>(p.grad_mask);
 
+  // Work item: (batch, query head). Key/value tiles are the outer loop, so K,
+  // K^T and V^T are packed once per tile; dK and dV of the tile accumulate over
+  // the query blocks, dQ of the whole head in an O(L) float buffer.
   at::parallel_for(0, p.batch * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> q_buf(kBlockM * E), do_buf(kBlockM * Ev), o_buf(kBlockM * Ev);
+    std::vector<acc_t> q_buf, do_buf;  // whole-head copies, only when the input needs packing
+    if (tile_needs_pack<scalar_t, acc_t>(p.q_stride.col)) q_buf.resize(L * E);
+    if (tile_needs_pack<scalar_t, acc_t>(p.grad_out_stride.col)) do_buf.resize(L * Ev);
+    std::vector<acc_t> o_buf(kBlockM * Ev), row_d(L), dq_acc(L * E);
     std::vector<acc_t> k_buf(kBlockN * E), kt_buf(kBlockN * E), vt_buf(kBlockN * Ev);
     std::vector<acc_t> p_buf(kBlockM * kBlockN), dp_buf(kBlockM * kBlockN);
-    std::vector<acc_t> dq_acc(kBlockM * E), row_d(kBlockM);
     std::vector<uint8_t> keep(kBlockN);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t h = bh % H, b = bh / H, hk = h / G;
@@ -384,71 +444,76 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
       acc_t* dv = dv_all + bh * S * Ev;
       std::fill(dk, dk + S * E, acc_t(0));
       std::fill(dv, dv + S * Ev, acc_t(0));
-      for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {
+      std::fill(dq_acc.begin(), dq_acc.end(), acc_t(0));
+      int64_t ldq = 0, lddo = 0, ldo = 0, ldk = 0;
+      const acc_t* qh = load_tile(q + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row,
+                                  p.q_stride.col, L, E, q_buf.data(), &ldq);
+      const acc_t* doh =
+          load_tile(dout + b * p.grad_out_stride.b + h * p.grad_out_stride.h,
+                    p.grad_out_stride.row, p.grad_out_stride.col, L, Ev, do_buf.data(), &lddo);
+      for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {  // D = rowsum(dO * O)
         const int64_t m = std::min(kBlockM, L - i0);
-        int64_t ldq = 0, lddo = 0, ldo = 0, ldk = 0;
-        const acc_t* qt = load_tile(q + b * p.q_stride.b + h * p.q_stride.h + i0 * p.q_stride.row,
-                                    p.q_stride.row, p.q_stride.col, m, E, q_buf.data(), &ldq);
-        const acc_t* dot = load_tile(
-            dout + b * p.grad_out_stride.b + h * p.grad_out_stride.h + i0 * p.grad_out_stride.row,
-            p.grad_out_stride.row, p.grad_out_stride.col, m, Ev, do_buf.data(), &lddo);
         const acc_t* ot =
             load_tile(o + b * p.out_stride.b + h * p.out_stride.h + i0 * p.out_stride.row,
                       p.out_stride.row, p.out_stride.col, m, Ev, o_buf.data(), &ldo);
-        const acc_t* lse_rows = lse + (b * H + h) * L + i0;
-        for (int64_t r = 0; r < m; ++r) row_d[r] = Ops::dot(dot + r * lddo, ot + r * ldo, Ev);
-        std::fill(dq_acc.begin(), dq_acc.begin() + m * E, acc_t(0));
+        for (int64_t r = 0; r < m; ++r) row_d[i0 + r] = Ops::dot(doh + (i0 + r) * lddo, ot + r * ldo, Ev);
+      }
+      const acc_t* lse_h = lse + (b * H + h) * L;
 
-        const int64_t kv_end = visible_kv_end(p, i0, m);
-        for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockN) {
-          const int64_t n = std::min(kBlockN, kv_end - j0);
-          const acc_t* kt =
-              load_tile(k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row,
-                        p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
-          acc_t* k_t = kt_buf.data();  // K^T, (E x n)
-          acc_t* v_t = vt_buf.data();  // V^T, (Ev x n)
-          load_tile_transposed(k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row,
-                               p.k_stride.row, p.k_stride.col, n, E, k_t);
-          load_tile_transposed(v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row,
-                               p.v_stride.row, p.v_stride.col, n, Ev, v_t);
+      for (int64_t j0 = 0; j0 < S; j0 += kBlockN) {
+        const int64_t n = std::min(kBlockN, S - j0);
+        const scalar_t* k_tile = k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row;
+        const acc_t* kt = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
+        acc_t* k_t = kt_buf.data();  // K^T, (E x n)
+        acc_t* v_t = vt_buf.data();  // V^T, (Ev x n)
+        load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_t);
+        load_tile_transposed(v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row,
+                             p.v_stride.row, p.v_stride.col, n, Ev, v_t);
+        // causal: rows before j0 see none of this tile
+        const int64_t first_row = p.is_causal ? (j0 / kBlockM) * kBlockM : 0;
+        for (int64_t i0 = first_row; i0 < L; i0 += kBlockM) {
+          const int64_t m = std::min(kBlockM, L - i0);
+          const int64_t nq = std::min(n, visible_kv_end(p, i0, m) - j0);
+          if (nq <= 0) continue;
+          const acc_t* qt = qh + i0 * ldq;
+          const acc_t* dot = doh + i0 * lddo;
           acc_t* pt = p_buf.data();
           acc_t* dpt = dp_buf.data();
-          cpu::gemm(m, n, E, scale, qt, ldq, 1, k_t, n, acc_t(0), pt, n);      // S = scale Q K^T
-          cpu::gemm(m, n, Ev, acc_t(1), dot, lddo, 1, v_t, n, acc_t(0), dpt, n);  // dP = dO V^T
+          cpu::gemm(m, nq, E, scale, qt, ldq, 1, k_t, n, acc_t(0), pt, nq);      // S = scale Q K^T
+          cpu::gemm(m, nq, Ev, acc_t(1), dot, lddo, 1, v_t, n, acc_t(0), dpt, nq);  // dP = dO V^T
           for (int64_t r = 0; r < m; ++r) {
             const int64_t i = i0 + r;
-            acc_t* prow = pt + r * n;
-            acc_t* dprow = dpt + r * n;
-            if (lse_rows[r] == kNegInf) {  // fully masked row: P = 0, no gradient
-              std::fill(prow, prow + n, acc_t(0));
-              std::fill(dprow, dprow + n, acc_t(0));
+            acc_t* prow = pt + r * nq;
+            acc_t* dprow = dpt + r * nq;
+            if (lse_h[i] == kNegInf) {  // fully masked row: P = 0, no gradient
+              std::fill(prow, prow + nq, acc_t(0));
+              std::fill(dprow, dprow + nq, acc_t(0));
               continue;
             }
-            mask_row<scalar_t>(p, b, h, i, j0, n, prow);
-            Ops::exp_sub_sum(prow, n, lse_rows[r]);
+            mask_row<scalar_t>(p, b, h, i, j0, nq, prow);
+            Ops::exp_sub_sum(prow, nq, lse_h[i]);
             if (p.dropout.enabled()) {
               // O = sum_j P_j z_j V_j / (1 - p): the gradient wrt P_j is z_j dP_j / (1 - p),
               // and dV takes the dropped, rescaled P.
-              dropout_keep_row(p.dropout.seed, p.dropout.offset, dropout_row_id(p, b, h, i), j0,
-                               n, p.dropout.drop_threshold, keep.data());
-              for (int64_t c = 0; c < n; ++c) dprow[c] = keep[c] ? dprow[c] * rescale : acc_t(0);
-              Ops::softmax_grad(prow, dprow, n, row_d[r]);
-              for (int64_t c = 0; c < n; ++c) prow[c] = keep[c] ? prow[c] * rescale : acc_t(0);
+              dropout_keep_row_cpu(p.dropout, dropout_row_id(p, b, h, i), j0, nq, keep.data());
+              for (int64_t c = 0; c < nq; ++c) dprow[c] = keep[c] ? dprow[c] * rescale : acc_t(0);
+              Ops::softmax_grad(prow, dprow, nq, row_d[i]);
+              for (int64_t c = 0; c < nq; ++c) prow[c] = keep[c] ? prow[c] * rescale : acc_t(0);
             } else {
-              Ops::softmax_grad(prow, dprow, n, row_d[r]);
+              Ops::softmax_grad(prow, dprow, nq, row_d[i]);
             }
             if (dmask_all != nullptr) {
               acc_t* gm = dmask_all + ((b * H + h) * L + i) * S + j0;
-              std::copy(dprow, dprow + n, gm);
+              std::copy(dprow, dprow + nq, gm);
             }
           }
-          cpu::gemm(n, Ev, m, acc_t(1), pt, 1, n, dot, lddo, acc_t(1), dv + j0 * Ev, Ev);  // dV += P~^T dO
-          cpu::gemm(m, E, n, scale, dpt, n, 1, kt, ldk, acc_t(1), dq_acc.data(), E);     // dQ += scale dS K
-          cpu::gemm(n, E, m, scale, dpt, 1, n, qt, ldq, acc_t(1), dk + j0 * E, E);        // dK += scale dS^T Q
+          cpu::gemm(nq, Ev, m, acc_t(1), pt, 1, nq, dot, lddo, acc_t(1), dv + j0 * Ev, Ev);  // dV += P~^T dO
+          cpu::gemm(m, E, nq, scale, dpt, nq, 1, kt, ldk, acc_t(1), dq_acc.data() + i0 * E, E);  // dQ += scale dS K
+          cpu::gemm(nq, E, m, scale, dpt, 1, nq, qt, ldq, acc_t(1), dk + j0 * E, E);  // dK += scale dS^T Q
         }
-        scalar_t* dq_rows = dq_out + ((b * H + h) * L + i0) * E;
-        for (int64_t x = 0; x < m * E; ++x) dq_rows[x] = static_cast<scalar_t>(dq_acc[x]);
       }
+      scalar_t* dq_rows = dq_out + (b * H + h) * L * E;
+      for (int64_t x = 0; x < L * E; ++x) dq_rows[x] = static_cast<scalar_t>(dq_acc[x]);
     }
   });
 }
