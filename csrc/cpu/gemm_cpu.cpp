@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define MHA_X86 1
@@ -41,66 +42,104 @@ void gemm_generic(int64_t M, int64_t N, int64_t K, T alpha, const T* a, int64_t 
 
 #if MHA_X86
 
-// ---- AVX-512: MR rows x 32 columns, 2 * MR zmm accumulators -----------------
-template <int MR>
+// ---- AVX-512: MR rows x (16 * NV) columns, MR * NV zmm accumulators -------
+template <int MR, int NV>
 __attribute__((target("avx512f,fma"))) void micro_avx512(int64_t K, int64_t nb, float alpha,
                                                          const float* a, int64_t a_rs,
                                                          int64_t a_cs, const float* b,
                                                          int64_t ldb, float beta, float* c,
                                                          int64_t ldc) {
-  const __mmask16 m0 = nb >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nb) - 1);
-  const __mmask16 m1 = nb >= 32 ? __mmask16(0xFFFF) : (nb > 16 ? __mmask16((1u << (nb - 16)) - 1) : __mmask16(0));
-  __m512 acc0[MR], acc1[MR];
+  __mmask16 mask[NV];
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
-    acc0[r] = _mm512_setzero_ps();
-    acc1[r] = _mm512_setzero_ps();
+  for (int v = 0; v < NV; ++v) {
+    const int64_t left = nb - 16 * v;
+    mask[v] = left >= 16 ? __mmask16(0xFFFF) : (left > 0 ? __mmask16((1u << left) - 1) : __mmask16(0));
   }
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const float* br = b + k * ldb;
-    const __m512 b0 = _mm512_maskz_loadu_ps(m0, br);
-    const __m512 b1 = _mm512_maskz_loadu_ps(m1, br + 16);
+    __m512 bv[NV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_maskz_loadu_ps(mask[v], br + 16 * v);
     const float* ak = a + k * a_cs;
-  #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
       const __m512 av = _mm512_set1_ps(ak[r * a_rs]);
-      acc0[r] = _mm512_fmadd_ps(av, b0, acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(av, b1, acc1[r]);
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
     }
   }
   const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     float* cr = c + r * ldc;
-    __m512 o0 = _mm512_mul_ps(va, acc0[r]), o1 = _mm512_mul_ps(va, acc1[r]);
-    if (beta != 0.f) {
-      o0 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m0, cr), o0);
-      o1 = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m1, cr + 16), o1);
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+      __m512 o = _mm512_mul_ps(va, acc[r][v]);
+      if (beta != 0.f) o = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(mask[v], cr + 16 * v), o);
+      _mm512_mask_storeu_ps(cr + 16 * v, mask[v], o);
     }
-    _mm512_mask_storeu_ps(cr, m0, o0);
-    _mm512_mask_storeu_ps(cr + 16, m1, o1);
   }
 }
+
+template <int NV, int MR>
+__attribute__((target("avx512f,fma"))) void rows_avx512(int64_t M, int64_t K, int64_t nb,
+                                                        float alpha, const float* a, int64_t a_rs,
+                                                        int64_t a_cs, const float* b, int64_t ldb,
+                                                        float beta, float* c, int64_t ldc) {
+  int64_t i = 0;
+  for (; i + MR <= M; i += MR)
+    micro_avx512<MR, NV>(K, nb, alpha, a + i * a_rs, a_rs, a_cs, b, ldb, beta, c + i * ldc, ldc);
+  if (i == M) return;
+  const float* ai = a + i * a_rs;
+  float* ci = c + i * ldc;
+  switch (M - i) {  // MR <= 8
+    case 7: return micro_avx512<7, NV>(K, nb, alpha, ai, a_rs, a_cs, b, ldb, beta, ci, ldc);
+    case 6: return micro_avx512<6, NV>(K, nb, alpha, ai, a_rs, a_cs, b, ldb, beta, ci, ldc);
+    case 5: return micro_avx512<5, NV>(K, nb, alpha, ai, a_rs, a_cs, b, ldb, beta, ci, ldc);
+    case 4: return micro_avx512<4, NV>(K, nb, alpha, ai, a_rs, a_cs, b, ldb, beta, ci, ldc);
+    case 3: return micro_avx512<3, NV>(K, nb, alpha, ai, a_rs, a_cs, b, ldb, beta, ci, ldc);
+    case 2: return micro_avx512<2, NV>(K, nb, alpha, ai, a_rs, a_cs, b, ldb, beta, ci, ldc);
+    default: return micro_avx512<1, NV>(K, nb, alpha, ai, a_rs, a_cs, b, ldb, beta, ci, ldc);
+  }
+}
+
+#ifndef MHA_AVX512_MR
+#define MHA_AVX512_MR 6
+#define MHA_AVX512_NV 4
+#endif
+#ifndef MHA_AVX512_KC
+#define MHA_AVX512_KC 64
+#endif
 
 __attribute__((target("avx512f,fma"))) void gemm_avx512(int64_t M, int64_t N, int64_t K,
                                                         float alpha, const float* a, int64_t a_rs,
                                                         int64_t a_cs, const float* b, int64_t ldb,
                                                         float beta, float* c, int64_t ldc) {
-  constexpr int64_t kMR = 6, kNR = 32;
-  for (int64_t j = 0; j < N; j += kNR) {
-    const int64_t nb = N - j < kNR ? N - j : kNR;
-    int64_t i = 0;
-    for (; i + kMR <= M; i += kMR)
-      micro_avx512<kMR>(K, nb, alpha, a + i * a_rs, a_rs, a_cs, b + j, ldb, beta, c + i * ldc + j, ldc);
-    const float* ai = a + i * a_rs;
-    float* ci = c + i * ldc + j;
-    switch (M - i) {
-      case 5: micro_avx512<5>(K, nb, alpha, ai, a_rs, a_cs, b + j, ldb, beta, ci, ldc); break;
-      case 4: micro_avx512<4>(K, nb, alpha, ai, a_rs, a_cs, b + j, ldb, beta, ci, ldc); break;
-      case 3: micro_avx512<3>(K, nb, alpha, ai, a_rs, a_cs, b + j, ldb, beta, ci, ldc); break;
-      case 2: micro_avx512<2>(K, nb, alpha, ai, a_rs, a_cs, b + j, ldb, beta, ci, ldc); break;
-      case 1: micro_avx512<1>(K, nb, alpha, ai, a_rs, a_cs, b + j, ldb, beta, ci, ldc); break;
-      default: break;
+  constexpr int kMR = MHA_AVX512_MR, kNV = MHA_AVX512_NV, kNR = 16 * kNV;
+  // K in blocks of kKC: the B panel a strip reads (kKC x kNR floats, 16 KiB)
+  // stays in the 48 KiB L1 while every row group of A passes over it.
+  constexpr int64_t kKC = MHA_AVX512_KC;
+  if (K == 0) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) c[i * ldc + j] = beta == 0.f ? 0.f : beta * c[i * ldc + j];
+    return;
+  }
+  for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+    const int64_t kc = K - k0 < kKC ? K - k0 : kKC;
+    const float* ak = a + k0 * a_cs;
+    const float* bk = b + k0 * ldb;
+    const float bt = k0 == 0 ? beta : 1.f;
+    int64_t j = 0;
+    for (; j + kNR <= N; j += kNR)
+      rows_avx512<kNV, kMR>(M, kc, kNR, alpha, ak, a_rs, a_cs, bk + j, ldb, bt, c + j, ldc);
+    for (; j < N; j += 32) {  // ragged right edge: strips of at most 32 columns
+      const int64_t nb = N - j < 32 ? N - j : 32;
+      rows_avx512<2, 8>(M, kc, nb, alpha, ak, a_rs, a_cs, bk + j, ldb, bt, c + j, ldc);
     }
   }
 }
@@ -172,6 +211,118 @@ __attribute__((target("avx2,fma"))) void gemm_avx2(int64_t M, int64_t N, int64_t
 
 #endif  // MHA_X86
 
+// ---- row primitives --------------------------------------------------------
+
+// exp(x) for x <= ~88: round(x / ln 2) = n, r = x - n ln 2 in [-ln2/2, ln2/2],
+// e^r by its degree-7 Taylor polynomial (relative error < 1e-8 there), times
+// 2^n assembled in the exponent bits. Below -87 the result is 0 (no
+// denormals), NaN stays NaN.
+constexpr float kExpLo = -87.0f, kExpHi = 88.0f;
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound - kRound rounds to nearest
+constexpr float kC7 = 1.9841270e-4f, kC6 = 1.3888889e-3f, kC5 = 8.3333333e-3f, kC4 = 4.1666667e-2f,
+                kC3 = 1.6666667e-1f, kC2 = 0.5f;
+
+inline float exp_scalar(float x) {
+  const float xc = x < kExpLo ? kExpLo : (x > kExpHi ? kExpHi : x);
+  const float n = (xc * kLog2e + kRound) - kRound;
+  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
+  float p = kC7;
+  p = p * r + kC6;
+  p = p * r + kC5;
+  p = p * r + kC4;
+  p = p * r + kC3;
+  p = p * r + kC2;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  float y = p * two_n;
+  y = x < kExpLo ? 0.0f : y;
+  y = x > kExpHi ? std::numeric_limits<float>::infinity() : y;
+  return x != x ? x : y;
+}
+
+float row_max_generic(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+float exp_sub_sum_generic(float* x, int64_t n, float sub) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = exp_scalar(x[i] - sub);
+    s += x[i];
+  }
+  return s;
+}
+
+#if MHA_X86
+__attribute__((target("avx512f"))) inline __mmask16 tail_mask16(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+}
+
+__attribute__((target("avx512f,fma"))) float row_max_avx512(const float* x, int64_t n) {
+  __m512 m0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {  // max(x, m): a NaN x leaves m
+    m0 = _mm512_max_ps(_mm512_loadu_ps(x + i), m0);
+    m1 = _mm512_max_ps(_mm512_loadu_ps(x + i + 16), m1);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 k = tail_mask16(n - i);
+    m0 = _mm512_mask_max_ps(m0, k, _mm512_maskz_loadu_ps(k, x + i), m0);
+  }
+  return _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+}
+
+__attribute__((target("avx512f,fma"))) inline __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(kExpLo), hi = _mm512_set1_ps(kExpHi);
+  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(kLog2e), _mm512_set1_ps(kRound)),
+                                 _mm512_set1_ps(kRound));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kC7);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC5));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_ps());
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), y,
+                           _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
+}
+
+__attribute__((target("avx512f,fma"))) float exp_sub_sum_avx512(float* x, int64_t n, float sub) {
+  const __m512 vs = _mm512_set1_ps(sub);
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 y0 = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), vs));
+    const __m512 y1 = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i + 16), vs));
+    _mm512_storeu_ps(x + i, y0);
+    _mm512_storeu_ps(x + i + 16, y1);
+    s0 = _mm512_add_ps(s0, y0);
+    s1 = _mm512_add_ps(s1, y1);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 k = tail_mask16(n - i);
+    const __m512 y = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vs));
+    _mm512_mask_storeu_ps(x + i, k, y);
+    s0 = _mm512_add_ps(s0, _mm512_maskz_mov_ps(k, y));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+#endif  // MHA_X86
+
 Isa detect_isa() {
   Isa best = Isa::kGeneric;
 #if MHA_X86
@@ -221,6 +372,20 @@ void gemm(int64_t M, int64_t N, int64_t K, double alpha, const double* a, int64_
           int64_t a_cs, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
   if (M <= 0 || N <= 0) return;
   gemm_generic<double>(M, N, K, alpha, a, a_rs, a_cs, b, ldb, beta, c, ldc);
+}
+
+float row_max(const float* x, int64_t n) {
+#if MHA_X86
+  if (active_isa() == Isa::kAvx512) return row_max_avx512(x, n);
+#endif
+  return row_max_generic(x, n);
+}
+
+float exp_sub_sum(float* x, int64_t n, float sub) {
+#if MHA_X86
+  if (active_isa() == Isa::kAvx512) return exp_sub_sum_avx512(x, n, sub);
+#endif
+  return exp_sub_sum_generic(x, n, sub);
 }
 
 }  // namespace cpu

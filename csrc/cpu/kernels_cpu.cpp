@@ -53,33 +53,9 @@ constexpr int64_t kBlockN = 256;
 constexpr int64_t kChunkM = 256;
 
 // ---------------------------------------------------------------------------
-// Row operations. Float versions are cloned per instruction set; double uses
-// the same loops with std::exp.
-
-inline float exp_nonpositive(float x) {
-  // exp for x <= ~88 (softmax feeds x = s - max <= 0): round(x / ln 2) = n,
-  // r = x - n ln 2 in [-ln2/2, ln2/2], e^r by its degree-7 Taylor polynomial
-  // (relative error < 1e-8 on that range), times 2^n built in the exponent bits.
-  const float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float t = xc * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: round to nearest
-  const float n = t - 12582912.0f;
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9841270e-4f;
-  p = p * r + 1.3888889e-3f;
-  p = p * r + 8.3333333e-3f;
-  p = p * r + 4.1666667e-2f;
-  p = p * r + 1.6666667e-1f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  float y = p * two_n;
-  y = x < -87.0f ? 0.0f : y;
-  y = x > 88.0f ? std::numeric_limits<float>::infinity() : y;
-  return x != x ? x : y;
-}
+// Row operations. Float: max and exp come from gemm_cpu (intrinsics on
+// AVX-512), the rest are loops cloned per instruction set; double uses plain
+// loops with std::exp.
 
 // Max that propagates NaN from b (a NaN score must make its row NaN).
 template <typename T>
@@ -87,48 +63,13 @@ inline T nan_max(T a, T b) {
   return (b > a || b != b) ? b : a;
 }
 
-// Max over a row, NaN-blind (vectorises); callers look for NaN only when it
-// comes out -inf, the one case where a NaN would otherwise be lost.
+// Row maxima are NaN-blind (they vectorise); callers look for NaN only when
+// one comes out -inf, the one case where a NaN would otherwise be lost.
 template <typename T>
 bool has_nan(const T* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
     if (x[i] != x[i]) return true;
   return false;
-}
-
-// Reductions keep kLanes independent partial results (vertical, so the
-// compiler vectorises them without reassociating) and combine them at the end.
-constexpr int64_t kLanes = 16;
-
-MHA_CPU_CLONES float row_max_f(const float* x, int64_t n) {
-  float m[kLanes];
-  for (int64_t l = 0; l < kLanes; ++l) m[l] = -std::numeric_limits<float>::infinity();
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) m[l] = x[i + l] > m[l] ? x[i + l] : m[l];
-  for (; i < n; ++i) m[0] = x[i] > m[0] ? x[i] : m[0];
-  float r = m[0];
-  for (int64_t l = 1; l < kLanes; ++l) r = m[l] > r ? m[l] : r;
-  return r;
-}
-
-// x[i] = exp(x[i] - sub); returns the sum.
-MHA_CPU_CLONES float exp_sub_sum_f(float* x, int64_t n, float sub) {
-  float s[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) {
-      x[i + l] = exp_nonpositive(x[i + l] - sub);
-      s[l] += x[i + l];
-    }
-  }
-  for (; i < n; ++i) {
-    x[i] = exp_nonpositive(x[i] - sub);
-    s[0] += x[i];
-  }
-  float r = 0.f;
-  for (int64_t l = 0; l < kLanes; ++l) r += s[l];
-  return r;
 }
 
 MHA_CPU_CLONES void scale_f(float* x, int64_t n, float a) {
@@ -139,6 +80,10 @@ MHA_CPU_CLONES void scale_f(float* x, int64_t n, float a) {
 MHA_CPU_CLONES void softmax_grad_f(const float* p, float* dp, int64_t n, float d) {
   for (int64_t i = 0; i < n; ++i) dp[i] = p[i] * (dp[i] - d);
 }
+
+// kLanes independent partial sums (vertical, so the compiler vectorises them
+// without reassociating), combined at the end.
+constexpr int64_t kLanes = 16;
 
 MHA_CPU_CLONES float dot_f(const float* a, const float* b, int64_t n) {
   float s[kLanes] = {};
@@ -156,8 +101,8 @@ struct RowOps;
 
 template <>
 struct RowOps<float> {
-  static float max(const float* x, int64_t n) { return row_max_f(x, n); }
-  static float exp_sub_sum(float* x, int64_t n, float sub) { return exp_sub_sum_f(x, n, sub); }
+  static float max(const float* x, int64_t n) { return cpu::row_max(x, n); }
+  static float exp_sub_sum(float* x, int64_t n, float sub) { return cpu::exp_sub_sum(x, n, sub); }
   static void scale(float* x, int64_t n, float a) { scale_f(x, n, a); }
   static void softmax_grad(const float* p, float* dp, int64_t n, float d) {
     softmax_grad_f(p, dp, n, d);
