@@ -278,11 +278,13 @@ __attribute__((target("avx512f,fma"))) float row_max_avx512(const float* x, int6
   return _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
 }
 
+// The same polynomial; 2^n applied by vscalefps, and lanes below kExpLo
+// zeroed by its mask (no denormals reach the products that follow).
 __attribute__((target("avx512f,fma"))) inline __m512 exp512(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(kExpLo), hi = _mm512_set1_ps(kExpHi);
-  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(kLog2e), _mm512_set1_ps(kRound)),
-                                 _mm512_set1_ps(kRound));
+  // max/min return their second operand when it is NaN: NaN flows through
+  const __m512 xc = _mm512_min_ps(_mm512_set1_ps(kExpHi), _mm512_max_ps(_mm512_set1_ps(kExpLo), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), xc);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
   __m512 p = _mm512_set1_ps(kC7);
@@ -293,12 +295,10 @@ __attribute__((target("avx512f,fma"))) inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC2));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_ps());
-  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), y,
-                           _mm512_set1_ps(std::numeric_limits<float>::infinity()));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpLo), _CMP_NLT_UQ);  // x >= lo or NaN
+  const __m512 y = _mm512_maskz_scalef_ps(keep, p, n);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpHi), _CMP_GT_OQ), y,
+                              _mm512_set1_ps(std::numeric_limits<float>::infinity()));
 }
 
 __attribute__((target("avx512f,fma"))) float exp_sub_sum_avx512(float* x, int64_t n, float sub) {
@@ -320,6 +320,46 @@ __attribute__((target("avx512f,fma"))) float exp_sub_sum_avx512(float* x, int64_
     s0 = _mm512_add_ps(s0, _mm512_maskz_mov_ps(k, y));
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+// 16 x 16 blocks transposed in registers (unpack / shuffle network).
+__attribute__((target("avx512f"))) void transpose_avx512(const float* src, int64_t ld,
+                                                         int64_t rows, int64_t cols, float* dst) {
+  int64_t r0 = 0;
+  for (; r0 + 16 <= rows; r0 += 16) {
+    int64_t c0 = 0;
+    for (; c0 + 16 <= cols; c0 += 16) {
+      __m512 t[16], u[16];
+      for (int i = 0; i < 16; ++i) t[i] = _mm512_loadu_ps(src + (r0 + i) * ld + c0);
+      for (int i = 0; i < 16; i += 2) {
+        u[i] = _mm512_unpacklo_ps(t[i], t[i + 1]);
+        u[i + 1] = _mm512_unpackhi_ps(t[i], t[i + 1]);
+      }
+      for (int i = 0; i < 16; i += 4) {
+        t[i] = _mm512_shuffle_ps(u[i], u[i + 2], 0x44);
+        t[i + 1] = _mm512_shuffle_ps(u[i], u[i + 2], 0xEE);
+        t[i + 2] = _mm512_shuffle_ps(u[i + 1], u[i + 3], 0x44);
+        t[i + 3] = _mm512_shuffle_ps(u[i + 1], u[i + 3], 0xEE);
+      }
+      for (int i = 0; i < 4; ++i) {
+        u[i] = _mm512_shuffle_f32x4(t[i], t[i + 4], 0x88);
+        u[i + 4] = _mm512_shuffle_f32x4(t[i], t[i + 4], 0xDD);
+        u[i + 8] = _mm512_shuffle_f32x4(t[i + 8], t[i + 12], 0x88);
+        u[i + 12] = _mm512_shuffle_f32x4(t[i + 8], t[i + 12], 0xDD);
+      }
+      for (int i = 0; i < 4; ++i) {
+        t[i] = _mm512_shuffle_f32x4(u[i], u[i + 8], 0x88);
+        t[i + 8] = _mm512_shuffle_f32x4(u[i], u[i + 8], 0xDD);
+        t[i + 4] = _mm512_shuffle_f32x4(u[i + 4], u[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(u[i + 4], u[i + 12], 0xDD);
+      }
+      // t[k] now holds column c0 + k of the 16 rows
+      for (int k = 0; k < 16; ++k) _mm512_storeu_ps(dst + (c0 + k) * rows + r0, t[k]);
+    }
+    for (; c0 < cols; ++c0)
+      for (int i = 0; i < 16; ++i) dst[c0 * rows + r0 + i] = src[(r0 + i) * ld + c0];
+  }
+  for (; r0 < rows; ++r0)
+    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r0] = src[r0 * ld + c];
 }
 #endif  // MHA_X86
 
@@ -372,6 +412,14 @@ void gemm(int64_t M, int64_t N, int64_t K, double alpha, const double* a, int64_
           int64_t a_cs, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
   if (M <= 0 || N <= 0) return;
   gemm_generic<double>(M, N, K, alpha, a, a_rs, a_cs, b, ldb, beta, c, ldc);
+}
+
+void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
+#if MHA_X86
+  if (active_isa() == Isa::kAvx512) return transpose_avx512(src, ld, rows, cols, dst);
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * ld + c];
 }
 
 float row_max(const float* x, int64_t n) {

@@ -35,6 +35,8 @@ void gemm(int64_t M, int64_t N, int64_t K, double alpha, const double* a, int64_
 // Row primitives of the softmax, on the same run-time instruction-set choice.
 // max over x[0..n) ignoring NaN (-inf for n == 0)
 float row_max(const float* x, int64_t n);
+// dst[c * rows + r] = src[r * ld + c]: a (rows x cols) tile, transposed and packed
+void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst);
 // x[i] = exp(x[i] - sub) for x[i] - sub <= 88 (NaN stays NaN); returns the sum
 float exp_sub_sum(float* x, int64_t n, float sub);
 

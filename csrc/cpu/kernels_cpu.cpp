@@ -173,6 +173,9 @@ const acc_t* load_tile(const scalar_t* base, int64_t row_stride, int64_t col_str
 template <typename scalar_t, typename acc_t>
 void load_tile_transposed(const scalar_t* base, int64_t row_stride, int64_t col_stride,
                           int64_t rows, int64_t cols, acc_t* dst) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (col_stride == 1) return cpu::transpose(base, row_stride, rows, cols, dst);
+  }
   constexpr int64_t kRows = 16;
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
     const int64_t nr = std::min(kRows, rows - r0);
