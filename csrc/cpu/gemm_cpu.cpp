@@ -1,5 +1,7 @@
 #include "gemm_cpu.h"
 
+#include "../dropout.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -361,7 +363,56 @@ __attribute__((target("avx512f"))) void transpose_avx512(const float* src, int64
   for (; r0 < rows; ++r0)
     for (int64_t c = 0; c < cols; ++c) dst[c * rows + r0] = src[r0 * ld + c];
 }
+// Philox on 16 counters: 32 x 32 -> 64-bit products of the even lanes come
+// from vpmuludq directly, those of the odd lanes after a 32-bit shift.
+__attribute__((target("avx512f,avx512bw,bmi2"))) void philox_keep64_avx512(
+    uint64_t seed, uint64_t row, uint64_t group0, uint32_t threshold, uint8_t* keep) {
+  const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512i g_lo = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(group0)), lane);
+  const __m512i g_hi = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(group0 + 8)), lane);
+  // 32-bit lanes 0..15 = group0 + lane: low words, and high words
+  const __m512i idx_lo = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i idx_hi = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  __m512i c0 = _mm512_permutex2var_epi32(g_lo, idx_lo, g_hi);
+  __m512i c1 = _mm512_permutex2var_epi32(g_lo, idx_hi, g_hi);
+  __m512i c2 = _mm512_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(row)));
+  __m512i c3 = _mm512_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(row >> 32)));
+  const __m512i ma = _mm512_set1_epi32(static_cast<int32_t>(kPhiloxMulA));
+  const __m512i mb = _mm512_set1_epi32(static_cast<int32_t>(kPhiloxMulB));
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    const __m512i a_even = _mm512_mul_epu32(c0, ma), a_odd = _mm512_mul_epu32(_mm512_srli_epi64(c0, 32), ma);
+    const __m512i b_even = _mm512_mul_epu32(c2, mb), b_odd = _mm512_mul_epu32(_mm512_srli_epi64(c2, 32), mb);
+    const __m512i hi_a = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(a_even, 32), a_odd);
+    const __m512i hi_b = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(b_even, 32), b_odd);
+    const __m512i lo_a = _mm512_mask_blend_epi32(0xAAAA, a_even, _mm512_slli_epi64(a_odd, 32));
+    const __m512i lo_b = _mm512_mask_blend_epi32(0xAAAA, b_even, _mm512_slli_epi64(b_odd, 32));
+    const __m512i n0 = _mm512_xor_si512(_mm512_xor_si512(hi_b, c1), _mm512_set1_epi32(static_cast<int32_t>(k0)));
+    const __m512i n2 = _mm512_xor_si512(_mm512_xor_si512(hi_a, c3), _mm512_set1_epi32(static_cast<int32_t>(k1)));
+    c1 = lo_b;
+    c3 = lo_a;
+    c0 = n0;
+    c2 = n2;
+    k0 += kPhiloxWeylA;
+    k1 += kPhiloxWeylB;
+  }
+  const __m512i thr = _mm512_set1_epi32(static_cast<int32_t>(threshold));
+  const uint64_t w0 = _mm512_cmpge_epu32_mask(c0, thr), w1 = _mm512_cmpge_epu32_mask(c1, thr);
+  const uint64_t w2 = _mm512_cmpge_epu32_mask(c2, thr), w3 = _mm512_cmpge_epu32_mask(c3, thr);
+  // bit 4 * l + w of the 64 columns = bit l of word w's mask
+  const uint64_t bits = _pdep_u64(w0, 0x1111111111111111ull) | _pdep_u64(w1, 0x2222222222222222ull) |
+                        _pdep_u64(w2, 0x4444444444444444ull) | _pdep_u64(w3, 0x8888888888888888ull);
+  _mm512_storeu_si512(keep, _mm512_maskz_set1_epi8(bits, 1));
+}
 #endif  // MHA_X86
+
+void philox_keep64_generic(uint64_t seed, uint64_t row, uint64_t group0, uint32_t threshold,
+                           uint8_t* keep) {
+  for (int l = 0; l < 16; ++l) {
+    const Philox4 r = philox4x32_10(seed, row, group0 + static_cast<uint64_t>(l));
+    for (int w = 0; w < 4; ++w) keep[4 * l + w] = r.w[w] >= threshold ? 1 : 0;
+  }
+}
 
 Isa detect_isa() {
   Isa best = Isa::kGeneric;
@@ -420,6 +471,13 @@ void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* 
 #endif
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * ld + c];
+}
+
+void philox_keep64(uint64_t seed, uint64_t row, uint64_t group0, uint32_t threshold, uint8_t* keep) {
+#if MHA_X86
+  if (active_isa() == Isa::kAvx512) return philox_keep64_avx512(seed, row, group0, threshold, keep);
+#endif
+  philox_keep64_generic(seed, row, group0, threshold, keep);
 }
 
 float row_max(const float* x, int64_t n) {
