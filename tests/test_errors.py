@@ -95,6 +95,18 @@ def test_backward_checks_its_inputs():
             assert _message(lambda: torch.ops.mha_ext.attention_backward(*fake_args)) == expected
 
 
+def test_mixed_devices_fake():
+    # The fake kernel's device check, with a CPU query and a meta key (the C++
+    # check is the same words; it needs a second device type to run eagerly).
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    q = mode.from_tensor(t(*Q))
+    k = mode.from_tensor(torch.empty(*K, device="meta"))
+    v = mode.from_tensor(torch.empty(*V, device="meta"))
+    with mode:
+        assert _message(lambda: torch.ops.mha_ext.attention(q, k, v)) == (
+            "key must be on the same device as query (cpu), got meta")
+
+
 @pytest.mark.parametrize("device", [d for d in DEVICES if not isinstance(d, str)])
 def test_mixed_devices(device):
     q = t(*Q).to(device)
