@@ -191,6 +191,18 @@ def _backward(ctx, grad_out, grad_lse, grad_rng):
 torch.library.register_autograd("mha_ext::attention", _backward, setup_context=_setup_context)
 
 
+def _double_backward(ctx, *grads):
+    raise RuntimeError(
+        "mha_ext: double backward (a gradient of mha_ext::attention_backward) is not supported; "
+        "for second-order gradients use torch.nn.functional.scaled_dot_product_attention"
+    )
+
+
+# Without this, autograd would pass through attention_backward as if it were
+# constant and a second-order gradient would come out silently zero.
+torch.library.register_autograd("mha_ext::attention_backward", _double_backward)
+
+
 # ---------------------------------------------------------------------------
 # Functional API
 

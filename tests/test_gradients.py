@@ -119,3 +119,11 @@ def test_backward_independent_of_thread_count():
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)
+
+
+def test_double_backward_is_refused_not_silently_zero():
+    q = leaf(1, 1, 3, 4)
+    out = sdpa(q, q, q)
+    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward .* is not supported"):
+        torch.autograd.grad(g.sum(), q)
