@@ -91,13 +91,15 @@ def step(model, opt, x, y):
 
 
 @torch.no_grad()
-def sample(model, chars, prompt, n):
+def sample(model, chars, prompt, n, temperature=0.8):
     model.eval()
+    gen = torch.Generator().manual_seed(0)
     stoi = {c: i for i, c in enumerate(chars)}
     idx = torch.tensor([[stoi.get(c, 0) for c in prompt]])
     for _ in range(n):
         logits = model(idx[:, -model.pos.num_embeddings :])[:, -1]
-        idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
+        nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)
+        idx = torch.cat([idx, nxt], dim=1)
     model.train()
     return "".join(chars[i] for i in idx[0].tolist())
 
@@ -160,7 +162,7 @@ def main():
     tail = statistics.mean(losses[-20:])
     print(f"loss: {first:.3f} at step 1 -> {tail:.3f} (mean of the last 20 steps) after {args.steps} steps, "
           f"{elapsed:.1f} s")
-    print("sample:", repr(sample(model, chars, "The ", 120)))
+    print("sample (temperature 0.8):", repr(sample(model, chars, "The ", 120)))
 
     print(f"\nSame model, same seed, {args.compare_steps} training steps each, in fresh processes:")
     rows = {}
