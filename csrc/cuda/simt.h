@@ -1,0 +1,57 @@
+// The only hardware the CUDA device code of mha_ext may touch, as a handful
+// of primitives. Under nvcc they are the CUDA built-ins; in a host build with
+// MHA_SIMT_EMULATION they come from simt_emul.h, a CPU emulation that runs the
+// threads of a block as fibers with real barriers, so device code can be
+// tested on a machine without a GPU (see ../../README.md, "CUDA").
+//
+//   thread_idx(), block_idx(), block_dim(), grid_dim()   like threadIdx & co.
+//   sync_threads()                                        __syncthreads()
+//   shfl(v, src_lane), shfl_xor(v, mask), shfl_down(v, d) full-warp shuffles
+//   vote_ballot(p), vote_any(p), vote_all(p)              full-warp votes
+//   atomic_add(ptr, v)                                    atomicAdd
+//   dynamic_shared<T>()                                   extern __shared__ T[]
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+
+#define MHA_DEVICE __device__ __forceinline__
+#define MHA_KERNEL __global__ void
+
+namespace mha_ext::simt {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+MHA_DEVICE dim3 thread_idx() { return threadIdx; }
+MHA_DEVICE dim3 block_idx() { return blockIdx; }
+MHA_DEVICE dim3 block_dim() { return blockDim; }
+MHA_DEVICE dim3 grid_dim() { return gridDim; }
+MHA_DEVICE void sync_threads() { __syncthreads(); }
+template <typename T>
+MHA_DEVICE T shfl(T v, int src_lane) { return __shfl_sync(kFullMask, v, src_lane); }
+template <typename T>
+MHA_DEVICE T shfl_xor(T v, int lane_mask) { return __shfl_xor_sync(kFullMask, v, lane_mask); }
+template <typename T>
+MHA_DEVICE T shfl_down(T v, unsigned delta) { return __shfl_down_sync(kFullMask, v, delta); }
+MHA_DEVICE unsigned vote_ballot(bool p) { return __ballot_sync(kFullMask, p); }
+MHA_DEVICE bool vote_any(bool p) { return __any_sync(kFullMask, p); }
+MHA_DEVICE bool vote_all(bool p) { return __all_sync(kFullMask, p); }
+template <typename T>
+MHA_DEVICE T atomic_add(T* p, T v) { return atomicAdd(p, v); }
+template <typename T>
+MHA_DEVICE T* dynamic_shared() {
+  extern __shared__ __align__(16) unsigned char mha_simt_shared[];
+  return reinterpret_cast<T*>(mha_simt_shared);
+}
+
+}  // namespace mha_ext::simt
+
+#elif defined(MHA_SIMT_EMULATION)
+
+#include "simt_emul.h"
+
+#else
+#error "csrc/cuda/simt.h: compile with nvcc, or define MHA_SIMT_EMULATION for the CPU emulation"
+#endif

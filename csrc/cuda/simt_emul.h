@@ -1,0 +1,231 @@
+// CPU emulation of the primitives in simt.h (test infrastructure).
+//
+// A launch runs the blocks of the grid one after another on the calling
+// thread. The threads of a block are fibers (ucontext) scheduled in thread
+// order: each runs until it reaches a barrier or returns, then the next one
+// runs. A block barrier lets its threads go only when every thread of the
+// block has reached it; a warp barrier (inside shuffles and votes) when every
+// lane of the warp has. So a missing sync_threads() shows up as a wrong
+// answer (thread 0 always runs ahead of the writes of the others), and a
+// barrier some thread never reaches (it waits elsewhere or has returned) is
+// reported as a deadlock, not a hang.
+// Warps are 32 lanes; shuffles exchange through per-lane slots between two
+// warp barriers. Atomics use std::atomic_ref. Shared memory is one arena per
+// block that every thread of the block sees.
+#pragma once
+
+#include <ucontext.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#define MHA_DEVICE inline
+#define MHA_KERNEL void
+
+namespace mha_ext::simt {
+
+constexpr int kWarpSize = 32;
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+namespace emul {
+
+enum class Wait { kNone, kBlock, kWarp };
+
+struct Fiber {
+  ucontext_t ctx{};
+  std::unique_ptr<char[]> stack;
+  bool done = false;
+  Wait wait = Wait::kNone;
+};
+
+struct Block {
+  dim3 grid, block, idx;
+  int n = 0;
+  std::vector<Fiber> fibers;
+  std::vector<uint64_t> slots;  // one exchange slot per thread
+  std::vector<unsigned char> shared;
+  ucontext_t scheduler{};
+  int current = -1;
+  const std::function<void()>* body = nullptr;
+};
+
+inline thread_local Block* tl_block = nullptr;
+
+inline Block& self() {
+  if (tl_block == nullptr || tl_block->current < 0)
+    throw std::logic_error("simt primitive called outside an emulated launch");
+  return *tl_block;
+}
+
+inline void fiber_entry() {
+  Block& b = *tl_block;
+  (*b.body)();
+  b.fibers[b.current].done = true;
+  swapcontext(&b.fibers[b.current].ctx, &b.scheduler);
+}
+
+// The calling thread waits at a barrier of `kind` until the scheduler frees it.
+inline void wait_at(Wait kind) {
+  Block& b = self();
+  Fiber& f = b.fibers[b.current];
+  f.wait = kind;
+  swapcontext(&f.ctx, &b.scheduler);
+}
+
+// Frees the threads waiting at a complete barrier; returns whether any was.
+// Complete means every thread of the block (warp) is there: one that has
+// returned never arrives, which the caller reports as a deadlock.
+inline bool release_barriers(Block& b) {
+  bool released = false;
+  bool block_ready = true;
+  for (const Fiber& f : b.fibers) block_ready = block_ready && !f.done && f.wait == Wait::kBlock;
+  if (block_ready) {
+    for (Fiber& f : b.fibers) f.wait = Wait::kNone;
+    return true;
+  }
+  for (int w0 = 0; w0 < b.n; w0 += kWarpSize) {
+    const int w1 = std::min(b.n, w0 + kWarpSize);
+    bool warp_ready = true, any_warp = false;
+    for (int t = w0; t < w1; ++t) {
+      const Fiber& f = b.fibers[t];
+      if (f.wait == Wait::kWarp) any_warp = true;
+      warp_ready = warp_ready && !f.done && f.wait == Wait::kWarp;
+    }
+    if (any_warp && warp_ready) {
+      for (int t = w0; t < w1; ++t) b.fibers[t].wait = Wait::kNone;
+      released = true;
+    }
+  }
+  return released;
+}
+
+// Runs `body` once per thread of every block of `grid`.
+inline void launch(dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()>& body,
+                   size_t stack_bytes = 64 * 1024) {
+  const int n = static_cast<int>(block.x * block.y * block.z);
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        Block b;
+        b.grid = grid;
+        b.block = block;
+        b.idx = dim3(bx, by, bz);
+        b.n = n;
+        b.fibers.resize(n);
+        b.slots.assign(n, 0);
+        b.shared.assign(shared_bytes, 0);
+        b.body = &body;
+        Block* outer = tl_block;
+        tl_block = &b;
+        for (int t = 0; t < n; ++t) {
+          Fiber& f = b.fibers[t];
+          f.stack.reset(new char[stack_bytes]);
+          getcontext(&f.ctx);
+          f.ctx.uc_stack.ss_sp = f.stack.get();
+          f.ctx.uc_stack.ss_size = stack_bytes;
+          f.ctx.uc_link = nullptr;
+          makecontext(&f.ctx, &fiber_entry, 0);
+        }
+        for (;;) {
+          bool ran = false, live = false;
+          for (int t = 0; t < n; ++t) {
+            Fiber& f = b.fibers[t];
+            if (f.done) continue;
+            live = true;
+            if (f.wait != Wait::kNone) continue;
+            b.current = t;
+            swapcontext(&b.scheduler, &f.ctx);
+            b.current = -1;
+            ran = true;
+          }
+          if (!live) break;
+          if (!release_barriers(b) && !ran) {
+            tl_block = outer;
+            throw std::runtime_error(
+                "simt emulation: deadlock, a barrier is not reached by every thread of its block or warp");
+          }
+        }
+        tl_block = outer;
+      }
+}
+
+inline int linear_tid() {
+  Block& b = self();
+  return b.current;
+}
+
+template <typename T>
+T exchange(T v, int src_lane) {
+  static_assert(sizeof(T) <= sizeof(uint64_t) && std::is_trivially_copyable_v<T>);
+  Block& b = self();
+  const int tid = b.current;
+  std::memcpy(&b.slots[tid], &v, sizeof(T));
+  wait_at(Wait::kWarp);
+  const int warp0 = tid - tid % kWarpSize;
+  const int src = warp0 + src_lane;
+  T r = v;
+  if (src_lane >= 0 && src_lane < kWarpSize && src < b.n)
+    std::memcpy(&r, &b.slots[src], sizeof(T));
+  wait_at(Wait::kWarp);
+  return r;
+}
+
+}  // namespace emul
+
+inline dim3 thread_idx() {
+  emul::Block& b = emul::self();
+  const unsigned t = static_cast<unsigned>(b.current);
+  return dim3(t % b.block.x, (t / b.block.x) % b.block.y, t / (b.block.x * b.block.y));
+}
+inline dim3 block_idx() { return emul::self().idx; }
+inline dim3 block_dim() { return emul::self().block; }
+inline dim3 grid_dim() { return emul::self().grid; }
+inline void sync_threads() { emul::wait_at(emul::Wait::kBlock); }
+
+template <typename T>
+T shfl(T v, int src_lane) { return emul::exchange(v, src_lane); }
+template <typename T>
+T shfl_xor(T v, int lane_mask) { return emul::exchange(v, (emul::linear_tid() % kWarpSize) ^ lane_mask); }
+template <typename T>
+T shfl_down(T v, unsigned delta) {
+  const int lane = emul::linear_tid() % kWarpSize;
+  const int src = lane + static_cast<int>(delta);
+  return emul::exchange(v, src < kWarpSize ? src : lane);
+}
+inline unsigned vote_ballot(bool p) {
+  emul::Block& b = emul::self();
+  const int tid = b.current, warp0 = tid - tid % kWarpSize;
+  b.slots[tid] = p ? 1 : 0;
+  emul::wait_at(emul::Wait::kWarp);
+  unsigned bits = 0;
+  for (int l = 0; l < kWarpSize && warp0 + l < b.n; ++l)
+    if (b.slots[warp0 + l]) bits |= 1u << l;
+  emul::wait_at(emul::Wait::kWarp);
+  return bits;
+}
+inline bool vote_any(bool p) { return vote_ballot(p) != 0; }
+inline bool vote_all(bool p) {
+  emul::Block& b = emul::self();
+  const int warp0 = b.current - b.current % kWarpSize;
+  const int lanes = std::min(kWarpSize, b.n - warp0);
+  const unsigned full = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1);
+  return vote_ballot(p) == full;
+}
+template <typename T>
+T atomic_add(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
+template <typename T>
+T* dynamic_shared() { return reinterpret_cast<T*>(emul::self().shared.data()); }
+
+}  // namespace mha_ext::simt
