@@ -156,6 +156,7 @@ def _attention_backward_fake(grad_out, query, key, value, out, logsumexp, attn_m
 def _dropout_mask_fake(rng_state, shape, dropout_p):
     check_rng_state(rng_state)
     check_dropout_p(dropout_p)
+    _check(len(shape) > 0, lambda: "shape must have at least 1 dim, got ()")
     return torch.empty(shape, dtype=torch.bool, device=rng_state.device)
 
 

@@ -42,6 +42,18 @@ at::ScalarType acc_type_of(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// The dropout contract of dropout.h for probability p and (seed, offset).
+DropoutParams dropout_params(double p, const at::Tensor& rng_state) {
+  const int64_t* r = rng_state.const_data_ptr<int64_t>();
+  DropoutParams d;
+  d.p = p;
+  d.rescale = 1.0 / (1.0 - p);
+  d.drop_threshold = static_cast<uint32_t>(std::floor(p * 4294967296.0));
+  d.seed = static_cast<uint64_t>(r[0]);
+  d.offset = static_cast<uint64_t>(r[1]);
+  return d;
+}
+
 // Fills everything the forward and backward share: sizes, strides, mask,
 // scale, dropout. Returns the flattened views it pointed at, which must
 // outlive the kernel call.
@@ -81,12 +93,7 @@ std::vector<at::Tensor> fill_common(AttentionFwdParams& p, const AttentionShape&
 
   if (dropout_p > 0.0) {
     TORCH_INTERNAL_ASSERT(rng_state.has_value());
-    const int64_t* r = rng_state->const_data_ptr<int64_t>();
-    p.dropout.p = dropout_p;
-    p.dropout.rescale = 1.0 / (1.0 - dropout_p);
-    p.dropout.drop_threshold = static_cast<uint32_t>(std::floor(dropout_p * 4294967296.0));
-    p.dropout.seed = static_cast<uint64_t>(r[0]);
-    p.dropout.offset = static_cast<uint64_t>(r[1]);
+    p.dropout = dropout_params(dropout_p, *rng_state);
   }
   return keep_alive;
 }
@@ -254,10 +261,7 @@ at::Tensor dropout_mask_cpu(const at::Tensor& rng_state,  // int64 (seed, offset
   at::Tensor keep = at::empty(shape, at::TensorOptions().dtype(at::kBool));
   const int64_t S = shape.back();
   const int64_t rows = S == 0 ? 0 : keep.numel() / S;
-  DropoutParams d;
-  d.seed = static_cast<uint64_t>(rng_state.const_data_ptr<int64_t>()[0]);
-  d.offset = static_cast<uint64_t>(rng_state.const_data_ptr<int64_t>()[1]);
-  d.drop_threshold = static_cast<uint32_t>(std::floor(dropout_p * 4294967296.0));
+  const DropoutParams d = dropout_params(dropout_p, rng_state);
   uint8_t* dst = reinterpret_cast<uint8_t*>(keep.data_ptr<bool>());
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {

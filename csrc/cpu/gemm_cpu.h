@@ -1,5 +1,6 @@
-// Small deterministic GEMM for attention tiles, in registers, with the
-// instruction set chosen at run time.
+// The SIMD layer of the CPU kernels, with the instruction set chosen once at
+// run time: a small deterministic GEMM for attention tiles, and the row
+// primitives (max, exp, transpose, dropout Philox) declared below it.
 //
 //   C (M x N, ldc) = alpha * A B + beta * C          (beta == 0: C is not read)
 //   A(i, k) = a[i * a_rs + k * a_cs]                 (any strides: A or A^T)
@@ -12,8 +13,9 @@
 // 64 so the B panel stays in L1; on tile shapes 64x256x64 and 64x64x256 it ran
 // at 96-104 GFLOP/s on one core here, MKL's sgemm at 69-93 in the same run),
 // an AVX2+FMA one (4 x 16 in 8 ymm, about 44 GFLOP/s) and portable C++;
-// double (the gradcheck path) uses the portable loop. MHA_EXT_CPU_ISA=generic|avx2|avx512 forces a path (tests run
-// the generic one that way); unset, the best the CPU supports is used.
+// double (the gradcheck path) uses the portable loop.
+// MHA_EXT_CPU_ISA=generic|avx2|avx512 forces a path, never one above what the
+// CPU has (tests run each path that way); unset, the best the CPU has is used.
 #pragma once
 
 #include <cstdint>
