@@ -57,9 +57,12 @@ struct AttentionFwdParams {
 struct AttentionBwdParams : AttentionFwdParams {
   const void* grad_out = nullptr;  // (B, Hq, L, Ev)
   void* grad_q = nullptr;          // (B, Hq, L, E), contiguous
-  void* grad_k = nullptr;          // (B, Hkv, S, E), contiguous
-  void* grad_v = nullptr;          // (B, Hkv, S, Ev), contiguous
+  void* grad_k = nullptr;          // (B, Hq, S, E) per query head, accumulation type, contiguous
+  void* grad_v = nullptr;          // (B, Hq, S, Ev) likewise; the host sums each GQA group
   void* grad_mask = nullptr;       // (B, Hq, L, S) contiguous float buffer, or null
+  // CUDA only, contiguous, accumulation type (float; double for double):
+  void* row_dot = nullptr;         // (B, Hq, L): D = rowsum(dO * O)
+  void* grad_q_accum = nullptr;    // (B, Hq, L, E) zeroed, dQ added atomically; null: deterministic dQ kernel
   Strides4 grad_out_stride;
 };
 

@@ -2,6 +2,8 @@
 // fake kernels and autograd live in Python (mha_ext/ops.py), which the
 // library names with set_python_module: torch checks that they are registered
 // from there and points a C++-first user at the module to import.
+#include "schema.h"
+
 #include <torch/library.h>
 
 TORCH_LIBRARY(mha_ext, m) {
@@ -14,20 +16,13 @@ TORCH_LIBRARY(mha_ext, m) {
   // -inf for a row with every key masked, whose output is 0), and the
   // (seed, offset) used for dropout. With dropout_p > 0 and no rng_state, one
   // is drawn from the default CPU generator.
-  m.def(
-      "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
-      "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
-      "Tensor? rng_state=None) -> (Tensor out, Tensor logsumexp, Tensor rng_state)");
+  m.def(mha_ext::kAttentionSchema);
 
   // Fused backward of `attention`: recomputes the probabilities from the
   // saved logsumexp and regenerates the dropout mask from rng_state. Returns
   // the gradients of query, key, value and, when attn_mask_requires_grad, of
   // a floating attn_mask (its own shape); otherwise an empty tensor there.
-  m.def(
-      "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
-      "Tensor logsumexp, Tensor? attn_mask, float dropout_p, bool is_causal, float? scale, "
-      "bool enable_gqa, Tensor rng_state, bool attn_mask_requires_grad) -> "
-      "(Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
+  m.def(mha_ext::kAttentionBackwardSchema);
 
   // The keep mask (True = kept) that `attention` applies for this rng_state
   // and dropout_p, as a bool tensor of `shape` = (N..., H, L, S). For need_weights

@@ -7,14 +7,18 @@ import torch
 
 
 def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-              keep=None, dropout_p=0.0):
+              keep=None, dropout_p=0.0, compute_dtype=torch.float64):
     """softmax(scale * q k^T + mask) v in float64, SDPA semantics.
+
+    compute_dtype: float64 for the reference; the inputs' own dtype gives what
+    plain eager PyTorch gets in that dtype (every op rounding to it), the
+    yardstick for half and bfloat16 kernels.
 
     attn_mask: bool (True = may attend) or float (added), broadcastable to
     (..., Hq, L, S). is_causal: query i sees keys 0..i (top-left), applied
     together with attn_mask. keep: bool dropout keep-mask (..., Hq, L, S).
     A row with no key to attend to gives 0. Differentiable (autograd)."""
-    q, k, v = query.double(), key.double(), value.double()
+    q, k, v = query.to(compute_dtype), key.to(compute_dtype), value.to(compute_dtype)
     hq, hkv = q.shape[-3], k.shape[-3]
     if hq != hkv:
         assert enable_gqa and hq % hkv == 0
@@ -30,14 +34,14 @@ def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, en
         if attn_mask.dtype == torch.bool:
             allowed = allowed & attn_mask
         else:
-            scores = scores + attn_mask.double()
+            scores = scores + attn_mask.to(compute_dtype)
     allowed = allowed.expand(scores.shape)
     scores = scores.masked_fill(~allowed, float("-inf"))
     any_key = allowed.any(dim=-1, keepdim=True) & (scores > float("-inf")).any(dim=-1, keepdim=True)
     probs = torch.softmax(torch.where(any_key, scores, 0.0), dim=-1)
     probs = torch.where(any_key, probs, 0.0)
     if keep is not None:
-        probs = probs * keep.double() / (1.0 - dropout_p)
+        probs = probs * keep.to(compute_dtype) / (1.0 - dropout_p)
     return probs @ v
 
 

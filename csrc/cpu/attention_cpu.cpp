@@ -2,6 +2,7 @@
 #include "../attention_params.h"
 #include "../checks.h"
 #include "../dropout.h"
+#include "../host_common.h"
 #include "gemm_cpu.h"
 #include "kernels_cpu.h"
 
@@ -19,84 +20,6 @@
 
 namespace mha_ext {
 namespace {
-
-// (N..., X, Y, Z) -> (B, X, Y, Z) without a copy when the batch dims collapse,
-// which covers contiguous, transposed-inner and expanded inputs.
-at::Tensor flatten_batch(const at::Tensor& t) {
-  if (t.dim() == 3) return t.unsqueeze(0);
-  if (t.dim() == 4) return t;
-  return t.reshape({-1, t.size(-3), t.size(-2), t.size(-1)});
-}
-
-Strides4 strides_of(const at::Tensor& t4) {
-  return Strides4{t4.stride(0), t4.stride(1), t4.stride(2), t4.stride(3)};
-}
-
-std::vector<int64_t> with_batch(const AttentionShape& s, std::initializer_list<int64_t> tail) {
-  std::vector<int64_t> v = s.batch_sizes;
-  v.insert(v.end(), tail);
-  return v;
-}
-
-at::ScalarType acc_type_of(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-// The dropout contract of dropout.h for probability p and (seed, offset).
-DropoutParams dropout_params(double p, const at::Tensor& rng_state) {
-  const int64_t* r = rng_state.const_data_ptr<int64_t>();
-  DropoutParams d;
-  d.p = p;
-  d.rescale = 1.0 / (1.0 - p);
-  d.drop_threshold = static_cast<uint32_t>(std::floor(p * 4294967296.0));
-  d.seed = static_cast<uint64_t>(r[0]);
-  d.offset = static_cast<uint64_t>(r[1]);
-  return d;
-}
-
-// Fills everything the forward and backward share: sizes, strides, mask,
-// scale, dropout. Returns the flattened views it pointed at, which must
-// outlive the kernel call.
-std::vector<at::Tensor> fill_common(AttentionFwdParams& p, const AttentionShape& s,
-                                    const at::Tensor& query, const at::Tensor& key,
-                                    const at::Tensor& value,
-                                    const std::optional<at::Tensor>& attn_mask, double dropout_p,
-                                    bool is_causal, std::optional<double> scale,
-                                    const std::optional<at::Tensor>& rng_state) {
-  std::vector<at::Tensor> keep_alive;
-  at::Tensor q4 = flatten_batch(query), k4 = flatten_batch(key), v4 = flatten_batch(value);
-  p.q = q4.const_data_ptr();
-  p.k = k4.const_data_ptr();
-  p.v = v4.const_data_ptr();
-  p.q_stride = strides_of(q4);
-  p.k_stride = strides_of(k4);
-  p.v_stride = strides_of(v4);
-  keep_alive.insert(keep_alive.end(), {q4, k4, v4});
-
-  p.batch = s.batch;
-  p.heads_q = s.heads_q;
-  p.heads_kv = s.heads_kv;
-  p.len_q = s.len_q;
-  p.len_kv = s.len_kv;
-  p.head_dim = s.head_dim;
-  p.head_dim_v = s.head_dim_v;
-  p.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim));
-  p.is_causal = is_causal;
-
-  if (attn_mask.has_value()) {
-    at::Tensor m4 = flatten_batch(attn_mask->expand(with_batch(s, {s.heads_q, s.len_q, s.len_kv})));
-    p.mask = m4.const_data_ptr();
-    p.mask_stride = strides_of(m4);
-    p.mask_kind = m4.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kFloat;
-    keep_alive.push_back(m4);
-  }
-
-  if (dropout_p > 0.0) {
-    TORCH_INTERNAL_ASSERT(rng_state.has_value());
-    p.dropout = dropout_params(dropout_p, *rng_state);
-  }
-  return keep_alive;
-}
 
 // Sums `full` (contiguous, shape `full_sizes`) into a contiguous tensor of
 // `red_sizes` (each dim equal to full's or 1, right-aligned), in index order:
@@ -139,31 +62,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_fwd_cpu(
     const std::optional<at::Tensor>& attn_mask,  // broadcastable to (N..., Hq, L, S)
     double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa,
     const std::optional<at::Tensor>& rng_state) {  // int64 (seed, offset), CPU
-  const AttentionShape s =
-      check_attention_inputs(query, key, value, attn_mask, dropout_p, enable_gqa);
-  at::Tensor rng_out;
-  if (dropout_p > 0.0) {
-    if (rng_state.has_value()) check_rng_state(*rng_state);
-    rng_out = rng_state.has_value() ? rng_state->clone() : draw_rng_state();
-  } else {
-    rng_out = at::zeros({2}, at::TensorOptions().dtype(at::kLong));
-  }
-
-  at::Tensor out = at::empty(with_batch(s, {s.heads_q, s.len_q, s.head_dim_v}), query.options());
-  at::Tensor lse = at::empty(with_batch(s, {s.heads_q, s.len_q}),
-                             query.options().dtype(acc_type_of(query.scalar_type())));
-  if (s.batch * s.heads_q * s.len_q == 0) return {out, lse, rng_out};
-
-  AttentionFwdParams p;
-  auto keep_alive = fill_common(p, s, query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                rng_out);
-  at::Tensor out4 = flatten_batch(out);
-  p.out = out4.data_ptr();
-  p.out_stride = strides_of(out4);
-  p.lse = lse.data_ptr();
+  ForwardCall c = prepare_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                  rng_state, [](const AttentionShape&) {}, draw_rng_state);
+  if (!c.has_rows) return {c.out, c.lse, c.rng_state};
+  const AttentionFwdParams& p = c.p;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(),
                                   "attention_fwd_cpu", [&] { attention_fwd_kernel<scalar_t>(p); });
-  return {out, lse, rng_out};
+  return {c.out, c.lse, c.rng_state};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
@@ -177,17 +82,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     std::optional<double> scale, bool enable_gqa,
     const at::Tensor& rng_state,  // int64 (seed, offset), CPU
     bool attn_mask_requires_grad) {
-  const AttentionShape s =
-      check_attention_inputs(query, key, value, attn_mask, dropout_p, enable_gqa);
-  const auto out_sizes = with_batch(s, {s.heads_q, s.len_q, s.head_dim_v});
-  check_same_shape("grad_out", grad_out, out_sizes, query);
-  check_same_shape("out", out, out_sizes, query);
+  BackwardCall c = prepare_backward(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_causal,
+                                    scale, enable_gqa, rng_state, attn_mask_requires_grad,
+                                    [](const AttentionShape&) {});
+  const AttentionShape& s = c.s;
+  const bool want_mask_grad = c.want_mask_grad;
   const at::ScalarType acc = acc_type_of(query.scalar_type());
-  check_same_shape("logsumexp", logsumexp, with_batch(s, {s.heads_q, s.len_q}), query, acc);
-  if (dropout_p > 0.0) check_rng_state(rng_state);
-  const bool want_mask_grad = attn_mask_requires_grad && attn_mask.has_value() &&
-                              attn_mask->scalar_type() != at::kBool;
-
   const int64_t B = s.batch, Hq = s.heads_q, Hkv = s.heads_kv, G = Hq / std::max<int64_t>(Hkv, 1);
   const int64_t L = s.len_q, S = s.len_kv, E = s.head_dim, Ev = s.head_dim_v;
   at::Tensor grad_q = at::empty(with_batch(s, {Hq, L, E}), query.options());
@@ -199,17 +99,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   at::Tensor dv_heads = at::empty({B, Hq, S, Ev}, acc_opts);
   at::Tensor dmask_full = want_mask_grad ? at::zeros({B, Hq, L, S}, acc_opts) : at::Tensor();
 
-  if (B * Hq > 0) {
-    AttentionBwdParams p;
-    auto keep_alive = fill_common(p, s, query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                  rng_state);
-    at::Tensor go4 = flatten_batch(grad_out), o4 = flatten_batch(out);
-    at::Tensor lse_c = logsumexp.contiguous();
-    p.grad_out = go4.const_data_ptr();
-    p.grad_out_stride = strides_of(go4);
-    p.out = const_cast<void*>(o4.const_data_ptr());
-    p.out_stride = strides_of(o4);
-    p.lse = const_cast<void*>(lse_c.const_data_ptr());
+  if (c.has_heads) {
+    AttentionBwdParams& p = c.p;
     p.grad_q = grad_q.data_ptr();
     p.grad_k = dk_heads.data_ptr();
     p.grad_v = dv_heads.data_ptr();

@@ -6,10 +6,15 @@
 //
 //   thread_idx(), block_idx(), block_dim(), grid_dim()   like threadIdx & co.
 //   sync_threads()                                        __syncthreads()
+//   sync_warp()                                           __syncwarp()
 //   shfl(v, src_lane), shfl_xor(v, mask), shfl_down(v, d) full-warp shuffles
 //   vote_ballot(p), vote_any(p), vote_all(p)              full-warp votes
 //   atomic_add(ptr, v)                                    atomicAdd
 //   dynamic_shared<T>()                                   extern __shared__ T[]
+//   launch_kernel(kernel, grid, block, shared_bytes, stream, args...)
+//                                 kernel<<<grid, block, shared_bytes, stream>>>(args...)
+//                                 (host side; raises the dynamic shared memory
+//                                 limit first when shared_bytes > 48 KiB)
 #pragma once
 
 #include <cstdint>
@@ -18,6 +23,7 @@
 
 #define MHA_DEVICE __device__ __forceinline__
 #define MHA_KERNEL __global__ void
+#define MHA_UNROLL _Pragma("unroll")
 
 namespace mha_ext::simt {
 
@@ -29,6 +35,7 @@ MHA_DEVICE dim3 block_idx() { return blockIdx; }
 MHA_DEVICE dim3 block_dim() { return blockDim; }
 MHA_DEVICE dim3 grid_dim() { return gridDim; }
 MHA_DEVICE void sync_threads() { __syncthreads(); }
+MHA_DEVICE void sync_warp() { __syncwarp(); }
 template <typename T>
 MHA_DEVICE T shfl(T v, int src_lane) { return __shfl_sync(kFullMask, v, src_lane); }
 template <typename T>
@@ -44,6 +51,21 @@ template <typename T>
 MHA_DEVICE T* dynamic_shared() {
   extern __shared__ __align__(16) unsigned char mha_simt_shared[];
   return reinterpret_cast<T*>(mha_simt_shared);
+}
+
+using Stream = cudaStream_t;
+
+// Returns the first CUDA error of the attribute call or the launch.
+template <typename... KArgs, typename... Args>
+inline cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t shared_bytes,
+                                 Stream stream, Args&&... args) {
+  if (shared_bytes > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<grid, block, shared_bytes, stream>>>(static_cast<Args&&>(args)...);
+  return cudaGetLastError();
 }
 
 }  // namespace mha_ext::simt

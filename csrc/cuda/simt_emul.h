@@ -1,17 +1,20 @@
 // CPU emulation of the primitives in simt.h (test infrastructure).
 //
 // A launch runs the blocks of the grid one after another on the calling
-// thread. The threads of a block are fibers (ucontext) scheduled in thread
-// order: each runs until it reaches a barrier or returns, then the next one
-// runs. A block barrier lets its threads go only when every thread of the
-// block has reached it; a warp barrier (inside shuffles and votes) when every
-// lane of the warp has. So a missing sync_threads() shows up as a wrong
-// answer (thread 0 always runs ahead of the writes of the others), and a
+// thread. The threads of a block are fibers (ucontext); the lowest-numbered
+// thread that is not waiting runs until it reaches a barrier or returns. A
+// block barrier lets its threads go only when every thread of the block has
+// reached it; a warp barrier (sync_warp, shuffles, votes, mma) when every lane
+// of the warp has. So lanes run ahead of later lanes up to each barrier and
+// warp 0 runs ahead of the other warps up to each block barrier: a missing
+// sync_warp() or sync_threads() shows up as a wrong answer (reads see the
+// 0xff poison or stale data instead of the other threads' writes), and a
 // barrier some thread never reaches (it waits elsewhere or has returned) is
 // reported as a deadlock, not a hang.
 // Warps are 32 lanes; shuffles exchange through per-lane slots between two
 // warp barriers. Atomics use std::atomic_ref. Shared memory is one arena per
-// block that every thread of the block sees.
+// block that every thread of the block sees, filled with 0xff bytes (NaN in
+// every floating type) so that reading it before writing shows up.
 #pragma once
 
 #include <ucontext.h>
@@ -29,6 +32,7 @@
 
 #define MHA_DEVICE inline
 #define MHA_KERNEL void
+#define MHA_UNROLL
 
 namespace mha_ext::simt {
 
@@ -43,6 +47,10 @@ namespace emul {
 
 enum class Wait { kNone, kBlock, kWarp };
 
+// Words a lane can publish at once in a warp-wide exchange (mma.h's emulated
+// tensor-core operations publish their fragment registers this way).
+constexpr int kWideWords = 16;
+
 struct Fiber {
   ucontext_t ctx{};
   std::unique_ptr<char[]> stack;
@@ -55,6 +63,7 @@ struct Block {
   int n = 0;
   std::vector<Fiber> fibers;
   std::vector<uint64_t> slots;  // one exchange slot per thread
+  std::vector<uint32_t> wide;   // kWideWords per thread, for warp-wide fragment exchanges
   std::vector<unsigned char> shared;
   ucontext_t scheduler{};
   int current = -1;
@@ -125,7 +134,8 @@ inline void launch(dim3 grid, dim3 block, size_t shared_bytes, const std::functi
         b.n = n;
         b.fibers.resize(n);
         b.slots.assign(n, 0);
-        b.shared.assign(shared_bytes, 0);
+        b.wide.assign(static_cast<size_t>(n) * kWideWords, 0);
+        b.shared.assign(shared_bytes, 0xff);  // NaN in every float type: reads before writes show
         b.body = &body;
         Block* outer = tl_block;
         tl_block = &b;
@@ -138,20 +148,24 @@ inline void launch(dim3 grid, dim3 block, size_t shared_bytes, const std::functi
           f.ctx.uc_link = nullptr;
           makecontext(&f.ctx, &fiber_entry, 0);
         }
+        // Always run the lowest runnable thread, freeing barriers as soon as
+        // they are complete: warp 0 runs through its warp barriers up to the
+        // next block barrier before warp 1 starts, the order in which a
+        // missing block barrier between warps does the most harm.
         for (;;) {
-          bool ran = false, live = false;
-          for (int t = 0; t < n; ++t) {
-            Fiber& f = b.fibers[t];
-            if (f.done) continue;
-            live = true;
-            if (f.wait != Wait::kNone) continue;
+          int t = 0;
+          while (t < n && (b.fibers[t].done || b.fibers[t].wait != Wait::kNone)) ++t;
+          if (t < n) {
             b.current = t;
-            swapcontext(&b.scheduler, &f.ctx);
+            swapcontext(&b.scheduler, &b.fibers[t].ctx);
             b.current = -1;
-            ran = true;
+            release_barriers(b);
+            continue;
           }
+          bool live = false;
+          for (const Fiber& f : b.fibers) live = live || !f.done;
           if (!live) break;
-          if (!release_barriers(b) && !ran) {
+          if (!release_barriers(b)) {
             tl_block = outer;
             throw std::runtime_error(
                 "simt emulation: deadlock, a barrier is not reached by every thread of its block or warp");
@@ -182,6 +196,22 @@ T exchange(T v, int src_lane) {
   return r;
 }
 
+// Every lane of the calling warp publishes `n` words; after a warp barrier
+// `read(lane, word)` sees any lane's words; a second barrier ends the exchange.
+template <typename Read>
+void warp_exchange_words(const uint32_t* words, int n, Read&& read) {
+  Block& b = self();
+  const int tid = b.current, warp0 = tid - tid % kWarpSize;
+  if (n > kWideWords) throw std::logic_error("warp_exchange_words: too many words");
+  std::memcpy(&b.wide[static_cast<size_t>(tid) * kWideWords], words, n * sizeof(uint32_t));
+  wait_at(Wait::kWarp);
+  read([&b, warp0](int lane, int word) {
+    if (warp0 + lane >= b.n) throw std::logic_error("warp_exchange_words: partial warp");
+    return b.wide[static_cast<size_t>(warp0 + lane) * kWideWords + word];
+  });
+  wait_at(Wait::kWarp);
+}
+
 }  // namespace emul
 
 inline dim3 thread_idx() {
@@ -193,6 +223,7 @@ inline dim3 block_idx() { return emul::self().idx; }
 inline dim3 block_dim() { return emul::self().block; }
 inline dim3 grid_dim() { return emul::self().grid; }
 inline void sync_threads() { emul::wait_at(emul::Wait::kBlock); }
+inline void sync_warp() { emul::wait_at(emul::Wait::kWarp); }
 
 template <typename T>
 T shfl(T v, int src_lane) { return emul::exchange(v, src_lane); }
@@ -227,5 +258,15 @@ template <typename T>
 T atomic_add(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
 template <typename T>
 T* dynamic_shared() { return reinterpret_cast<T*>(emul::self().shared.data()); }
+
+using Stream = void*;
+
+// Runs the kernel under the emulation; returns 0 (no error) to mirror the CUDA form.
+template <typename... KArgs, typename... Args>
+inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t shared_bytes,
+                         Stream /*stream*/, Args&&... args) {
+  emul::launch(grid, block, shared_bytes, [&] { kernel(args...); });
+  return 0;
+}
 
 }  // namespace mha_ext::simt

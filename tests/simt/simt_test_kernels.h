@@ -3,6 +3,7 @@
 // with nvcc for sm_80 and sm_90, so the same source is proven to be CUDA.
 #pragma once
 
+#include "../../csrc/cuda/mma.h"
 #include "../../csrc/cuda/simt.h"
 
 namespace simt_tests {
@@ -50,5 +51,37 @@ MHA_KERNEL divergent_barrier(float* out) {
   if (thread_idx().x < block_dim().x / 2) sync_threads();
   out[thread_idx().x] = 1.f;
 }
+
+// out[t] = the value lane t + 1 (mod 32) of the same warp put in shared
+// memory; with with_sync = false it forgets the sync_warp() between.
+MHA_KERNEL warp_rotate(const float* in, float* out, bool with_sync) {
+  float* s = dynamic_shared<float>();
+  const unsigned t = thread_idx().x;
+  s[t] = in[t];
+  if (with_sync) sync_warp();
+  out[t] = s[(t / 32) * 32 + (t + 1) % 32];
+}
+
+// d = a b + c for one warp: a (16 x 16) and b (16 x 8, k by n) row-major in
+// T16, c and d (16 x 8) float, through the fragments of mma.h.
+template <typename T16>
+MHA_KERNEL mma_tile(const T16* a, const T16* b, const float* c, float* d) {
+  const int lane = static_cast<int>(thread_idx().x);
+  uint32_t af[4], bf[2];
+  float acc[4];
+  for (int r = 0; r < 4; ++r)
+    af[r] = pack2(a[MmaLayout::a_row(lane, 2 * r) * 16 + MmaLayout::a_col(lane, 2 * r)],
+                  a[MmaLayout::a_row(lane, 2 * r + 1) * 16 + MmaLayout::a_col(lane, 2 * r + 1)]);
+  for (int r = 0; r < 2; ++r)
+    bf[r] = pack2(b[MmaLayout::b_row(lane, 2 * r) * 8 + MmaLayout::b_col(lane, 2 * r)],
+                  b[MmaLayout::b_row(lane, 2 * r + 1) * 8 + MmaLayout::b_col(lane, 2 * r + 1)]);
+  for (int e = 0; e < 4; ++e) acc[e] = c[MmaLayout::c_row(lane, e) * 8 + MmaLayout::c_col(lane, e)];
+  mma_m16n8k16<T16>(acc, af, bf);
+  for (int e = 0; e < 4; ++e) d[MmaLayout::c_row(lane, e) * 8 + MmaLayout::c_col(lane, e)] = acc[e];
+}
+
+// Instantiated here so that nvcc compiles both (tests/test_simt_nvcc.py).
+template MHA_KERNEL mma_tile<f16>(const f16*, const f16*, const float*, float*);
+template MHA_KERNEL mma_tile<bf16>(const bf16*, const bf16*, const float*, float*);
 
 }  // namespace simt_tests

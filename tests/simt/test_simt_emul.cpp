@@ -62,6 +62,47 @@ TEST(SimtEmulation, WarpShufflesAndVotes) {
   }
 }
 
+TEST(SimtEmulation, WarpBarrierOrdersLanes) {
+  const unsigned threads = 64;
+  auto in = ramp(threads);
+  std::vector<float> out(threads, -1.f);
+  launch(dim3(1), dim3(threads), threads * sizeof(float),
+         [&] { simt_tests::warp_rotate(in.data(), out.data(), true); });
+  for (unsigned t = 0; t < threads; ++t) EXPECT_EQ(out[t], in[(t / 32) * 32 + (t + 1) % 32]);
+}
+
+TEST(SimtEmulation, MissingWarpBarrierGivesAWrongAnswer) {
+  const unsigned threads = 32;
+  auto in = ramp(threads);
+  std::vector<float> out(threads, -1.f);
+  launch(dim3(1), dim3(threads), threads * sizeof(float),
+         [&] { simt_tests::warp_rotate(in.data(), out.data(), false); });
+  int wrong = 0;
+  for (unsigned t = 0; t < threads; ++t) wrong += out[t] != in[(t + 1) % 32];
+  EXPECT_GT(wrong, 0);
+}
+
+// D = A B + C through the emulated mma.sync m16n8k16 equals the plain product
+// of the same 16-bit values (exact products, float sums).
+template <typename T16>
+void check_mma() {
+  std::vector<T16> a(16 * 16), b(16 * 8);
+  std::vector<float> c(16 * 8), d(16 * 8, 0.f);
+  for (int i = 0; i < 256; ++i) a[i] = T16(static_cast<float>((i * 37) % 23 - 11) / 8.f);
+  for (int i = 0; i < 128; ++i) b[i] = T16(static_cast<float>((i * 53) % 19 - 9) / 4.f);
+  for (int i = 0; i < 128; ++i) c[i] = static_cast<float>(i % 7) - 3.f;
+  launch(dim3(1), dim3(32), 0, [&] { simt_tests::mma_tile<T16>(a.data(), b.data(), c.data(), d.data()); });
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 8; ++n) {
+      double want = c[m * 8 + n];
+      for (int k = 0; k < 16; ++k) want += double(float(a[m * 16 + k])) * double(float(b[k * 8 + n]));
+      EXPECT_NEAR(d[m * 8 + n], want, 1e-4) << "m " << m << " n " << n;
+    }
+}
+
+TEST(SimtEmulation, MmaHalfMatchesPlainProduct) { check_mma<mha_ext::simt::f16>(); }
+TEST(SimtEmulation, MmaBFloat16MatchesPlainProduct) { check_mma<mha_ext::simt::bf16>(); }
+
 TEST(SimtEmulation, AtomicsAddEveryContribution) {
   const unsigned blocks = 4, threads = 96;
   std::vector<float> in(blocks * threads, 0.5f);

@@ -1,0 +1,190 @@
+// Host functions of the CUDA backend: check, allocate, fill params, launch.
+// Included by attention_cuda.cu (nvcc: CUDA tensors, real launches on the
+// current stream) and by the emulation test library tests/emul (CPU tensors,
+// the same kernels run by simt_emul.h), so the tests cover this code too.
+#pragma once
+
+#include "../checks.h"
+#include "../host_common.h"
+#include "launch.h"
+
+#include <ATen/Context.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/randint.h>
+#include <ATen/ExpandUtils.h>
+#include <ATen/ops/zeros.h>
+
+#include <limits>
+#include <tuple>
+
+#if defined(__CUDACC__)
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/detail/UnpackRaw.cuh>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace mha_ext {
+namespace device_host {
+
+// Calls f with a value of the device element type of `t`.
+template <typename F>
+auto dispatch_device_type(at::ScalarType t, const char* name, F&& f) {
+  switch (t) {
+    case at::kHalf: return f(simt::f16{});
+    case at::kBFloat16: return f(simt::bf16{});
+    case at::kFloat: return f(float{});
+    case at::kDouble: return f(double{});
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", dtype_name(t));
+  }
+}
+
+inline void check_device_limits(const AttentionShape& s) {
+  TORCH_CHECK(device::padded_head_dim(s.head_dim, s.head_dim_v) != 0,
+              "the CUDA kernels support head dims up to ", device::kMaxHeadDim, ", got E = ", s.head_dim,
+              ", Ev = ", s.head_dim_v);
+  TORCH_CHECK(s.batch * s.heads_q <= std::numeric_limits<int32_t>::max(),
+              "batch x heads must fit in 31 bits for the CUDA grid, got ", s.batch * s.heads_q);
+  const int64_t rows = std::max(s.len_q, s.len_kv);
+  TORCH_CHECK(rows <= device::max_rows<double>(), "the CUDA kernels support sequence lengths up to ",
+              device::max_rows<double>(), ", got L = ", s.len_q, ", S = ", s.len_kv);
+}
+
+inline simt::Stream current_stream(const at::Tensor& t) {
+#if defined(__CUDACC__)
+  return at::cuda::getCurrentCUDAStream(t.device().index()).stream();
+#else
+  (void)t;
+  return nullptr;
+#endif
+}
+
+template <typename Status>
+void check_launch(Status status) {
+#if defined(__CUDACC__)
+  C10_CUDA_CHECK(status);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+#else
+  (void)status;
+#endif
+}
+
+// (seed, offset) for a call with dropout and no rng_state: from the CUDA
+// generator (advanced by the Philox counters a row of S keys uses), or the
+// CPU one in the emulation.
+inline at::Tensor draw_rng_state(const at::Tensor& query, int64_t len_kv) {
+#if defined(__CUDACC__)
+  auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+      std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(query.device().index()));
+  const uint64_t counters = static_cast<uint64_t>((len_kv + 3) / 4);
+  at::PhiloxCudaState state;
+  {
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    state = gen->philox_cuda_state((counters + 3) / 4 * 4);
+  }
+  TORCH_CHECK(!state.captured_,
+              "mha_ext::attention with dropout_p > 0 and no rng_state cannot be captured in a CUDA graph yet; "
+              "pass rng_state (mha_ext.ops.new_rng_state())");
+  const auto [seed, offset] = at::cuda::philox::unpack(state);
+  at::Tensor r = at::empty({2}, at::TensorOptions().dtype(at::kLong));
+  r.data_ptr<int64_t>()[0] = static_cast<int64_t>(seed);
+  r.data_ptr<int64_t>()[1] = static_cast<int64_t>(offset);
+  return r;
+#else
+  (void)query;
+  (void)len_kv;
+  return at::randint(0, int64_t(1) << 62, {2}, at::TensorOptions().dtype(at::kLong));
+#endif
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_fwd_device(
+    const at::Tensor& query,  // (N..., Hq, L, E), any strides
+    const at::Tensor& key,    // (N..., Hkv, S, E), any strides
+    const at::Tensor& value,  // (N..., Hkv, S, Ev), any strides
+    const std::optional<at::Tensor>& attn_mask,  // broadcastable to (N..., Hq, L, S)
+    double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa,
+    const std::optional<at::Tensor>& rng_state) {  // int64 (seed, offset), CPU
+#if defined(__CUDACC__)
+  const c10::cuda::CUDAGuard guard(query.device());
+#endif
+  ForwardCall c = prepare_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                  rng_state, check_device_limits,
+                                  [&] { return draw_rng_state(query, key.size(-2)); });
+  if (!c.has_rows) return {c.out, c.lse, c.rng_state};
+  if (c.s.len_kv == 0) {  // no keys: every row fully masked
+    c.out.zero_();
+    c.lse.fill_(-std::numeric_limits<double>::infinity());
+    return {c.out, c.lse, c.rng_state};
+  }
+  const simt::Stream stream = current_stream(query);
+  dispatch_device_type(query.scalar_type(), "attention", [&](auto elem) {
+    using T = decltype(elem);
+    check_launch(device::launch_attention_fwd<T>(c.p, stream));
+  });
+  return {c.out, c.lse, c.rng_state};
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_device(
+    const at::Tensor& grad_out,   // (N..., Hq, L, Ev), any strides
+    const at::Tensor& query,      // (N..., Hq, L, E)
+    const at::Tensor& key,        // (N..., Hkv, S, E)
+    const at::Tensor& value,      // (N..., Hkv, S, Ev)
+    const at::Tensor& out,        // (N..., Hq, L, Ev), the forward's output
+    const at::Tensor& logsumexp,  // (N..., Hq, L), float32 (float64 for float64)
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+    std::optional<double> scale, bool enable_gqa,
+    const at::Tensor& rng_state,  // int64 (seed, offset), CPU
+    bool attn_mask_requires_grad) {
+#if defined(__CUDACC__)
+  const c10::cuda::CUDAGuard guard(query.device());
+#endif
+  BackwardCall c = prepare_backward(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_causal,
+                                    scale, enable_gqa, rng_state, attn_mask_requires_grad, check_device_limits);
+  const AttentionShape& s = c.s;
+  const bool want_mask_grad = c.want_mask_grad;
+  const at::ScalarType acc = acc_type_of(query.scalar_type());
+  const int64_t B = s.batch, Hq = s.heads_q, Hkv = s.heads_kv, G = Hq / std::max<int64_t>(Hkv, 1);
+  const int64_t L = s.len_q, S = s.len_kv, E = s.head_dim, Ev = s.head_dim_v;
+  const auto acc_opts = query.options().dtype(acc);
+  at::Tensor grad_q = at::empty(with_batch(s, {Hq, L, E}), query.options());
+  at::Tensor dk_heads = at::zeros({B, Hq, S, E}, acc_opts);
+  at::Tensor dv_heads = at::zeros({B, Hq, S, Ev}, acc_opts);
+  at::Tensor dmask_full = want_mask_grad ? at::zeros({B, Hq, L, S}, acc_opts) : at::Tensor();
+
+  if (!c.has_heads || L == 0 || S == 0) {
+    grad_q.zero_();
+  } else {
+    AttentionBwdParams& p = c.p;
+    at::Tensor row_dot = at::empty({B, Hq, L}, acc_opts);
+    // Atomic dQ accumulation unless deterministic algorithms are asked for;
+    // then a second kernel recomputes dQ per query block.
+    const bool deterministic = at::globalContext().deterministicAlgorithms();
+    at::Tensor dq_accum = deterministic ? at::Tensor() : at::zeros({B, Hq, L, E}, acc_opts);
+    p.grad_q = grad_q.data_ptr();
+    p.grad_k = dk_heads.data_ptr();
+    p.grad_v = dv_heads.data_ptr();
+    p.grad_mask = want_mask_grad ? dmask_full.data_ptr() : nullptr;
+    p.row_dot = row_dot.data_ptr();
+    p.grad_q_accum = deterministic ? nullptr : dq_accum.data_ptr();
+    const simt::Stream stream = current_stream(query);
+    dispatch_device_type(query.scalar_type(), "attention_backward", [&](auto elem) {
+      using T = decltype(elem);
+      device::launch_attention_bwd<T>(p, stream, [](auto status) { check_launch(status); });
+    });
+    if (!deterministic) grad_q.copy_(dq_accum.view(grad_q.sizes()));
+  }
+
+  // Sum each GQA group of query heads into its key/value head.
+  at::Tensor grad_k = dk_heads.view({B, Hkv, G, S, E}).sum(2).to(query.scalar_type()).view(with_batch(s, {Hkv, S, E}));
+  at::Tensor grad_v =
+      dv_heads.view({B, Hkv, G, S, Ev}).sum(2).to(query.scalar_type()).view(with_batch(s, {Hkv, S, Ev}));
+  at::Tensor grad_mask = at::empty({0}, query.options());
+  if (want_mask_grad)
+    grad_mask = at::sum_to(dmask_full.view(with_batch(s, {Hq, L, S})), attn_mask->sizes()).to(attn_mask->scalar_type());
+  return {grad_q, grad_k, grad_v, grad_mask};
+}
+
+}  // namespace device_host
+}  // namespace mha_ext

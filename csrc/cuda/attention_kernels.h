@@ -1,0 +1,497 @@
+// CUDA device code of mha_ext::attention and attention_backward,
+// FlashAttention-2 style, written only against simt.h / mma.h so the same
+// source compiles with nvcc and runs under the CPU emulation in the tests.
+//
+// Layout of work. Every warp owns 16 rows of its block's tile; products are
+// warp-wide 16 x 8 x 16 steps whose accumulators use the mma C-fragment
+// layout (mma.h): lane 4 g + t holds rows g and g + 8, columns 2t and 2t + 1
+// of each 8-column slice. Half and bfloat16 tiles multiply on the tensor
+// cores (mma.sync, float accumulation); float and double use the same layout
+// on the CUDA cores (warp_mma below), so one kernel serves every dtype.
+//
+//   forward      grid (B * Hq, query blocks). Q tile kept in shared memory,
+//                K/V tiles streamed, online softmax in registers, output and
+//                logsumexp written at the end.
+//   bwd_dot      D = rowsum(dO * O), one warp per row.
+//   backward     grid (B * Hq, key blocks). K/V tile kept, dK/dV accumulated
+//                in registers over the query tiles; dQ added atomically into an
+//                accumulation-type buffer (B, Hq, L, E), or left to
+//   bwd_dq       grid (B * Hq, query blocks): dQ recomputed per query block
+//                without atomics (deterministic mode).
+//
+// Shared memory holds tiles in the element type, zero beyond the valid rows
+// and the head dim, so padded products add zeros. Head dims are padded to a
+// compile-time kHeadDim in {64, 128, 256} (launch.h's switch).
+#pragma once
+
+#include "../attention_params.h"
+#include "../dropout.h"
+#include "mma.h"
+
+namespace mha_ext::device {
+
+using namespace mha_ext::simt;
+
+// Tile shapes per element type and padded head dim: 16 rows per warp. The
+// shared-memory bytes of each are listed in launch.h next to the launch.
+template <typename T, int kHeadDim>
+struct TileConfig {
+  static constexpr int kElem = static_cast<int>(sizeof(T));
+  // forward: query rows per block (16 per warp) and key rows per tile
+  static constexpr int kFwdWarps = kElem == 2 ? 4 : (kElem == 4 ? (kHeadDim <= 64 ? 4 : 2) : (kHeadDim <= 64 ? 2 : 1));
+  static constexpr int kFwdBlockN =
+      kElem == 2 ? (kHeadDim <= 128 ? 64 : 32) : (kElem == 4 ? (kHeadDim <= 128 ? 32 : 16) : 16);
+  // backward: key rows per block = query rows per tile (16 per warp)
+  static constexpr int kBwdWarps = kElem == 2 ? (kHeadDim <= 128 ? 4 : 2) : (kElem == 4 ? (kHeadDim <= 128 ? 2 : 1) : 1);
+  static constexpr int kFwdBlockM = 16 * kFwdWarps;
+  static constexpr int kBwdBlock = 16 * kBwdWarps;
+  // row padding of the shared tiles: 16 bytes, so rows start in other banks
+  static constexpr int kPad = 16 / kElem;
+  static constexpr int kLd = kHeadDim + kPad;  // Q/K/V/dO tile row stride
+};
+
+// A strided view of a shared-memory tile: element (r, c) at p[r * rs + c * cs].
+template <typename T>
+struct Tile2 {
+  const T* p;
+  int rs, cs;
+  MHA_DEVICE T at(int r, int c) const { return p[r * rs + c * cs]; }
+};
+
+// acc[nt] (16 x 8 each, C-fragment layout) += A (16 x K) * B (K x 8 NT),
+// K a multiple of 16; A(r, k) = a.at(r, k), B(k, n) = b.at(k, n).
+template <typename T, int NT, typename A>
+MHA_DEVICE void warp_mma(A (&acc)[NT][4], Tile2<T> a, Tile2<T> b, int K, int lane) {
+  if constexpr (sizeof(T) == 2) {
+    for (int k0 = 0; k0 < K; k0 += 16) {
+      uint32_t af[4];
+MHA_UNROLL
+      for (int r = 0; r < 4; ++r)
+        af[r] = pack2(a.at(MmaLayout::a_row(lane, 2 * r), k0 + MmaLayout::a_col(lane, 2 * r)),
+                      a.at(MmaLayout::a_row(lane, 2 * r + 1), k0 + MmaLayout::a_col(lane, 2 * r + 1)));
+MHA_UNROLL
+      for (int nt = 0; nt < NT; ++nt) {
+        uint32_t bf[2];
+MHA_UNROLL
+        for (int r = 0; r < 2; ++r)
+          bf[r] = pack2(b.at(k0 + MmaLayout::b_row(lane, 2 * r), 8 * nt + MmaLayout::b_col(lane, 2 * r)),
+                        b.at(k0 + MmaLayout::b_row(lane, 2 * r + 1), 8 * nt + MmaLayout::b_col(lane, 2 * r + 1)));
+        mma_m16n8k16<T>(acc[nt], af, bf);
+      }
+    }
+  } else {
+MHA_UNROLL
+    for (int nt = 0; nt < NT; ++nt) {
+MHA_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int r = MmaLayout::c_row(lane, e), c = 8 * nt + MmaLayout::c_col(lane, e);
+        A s = acc[nt][e];
+        for (int k = 0; k < K; ++k) s += static_cast<A>(a.at(r, k)) * static_cast<A>(b.at(k, c));
+        acc[nt][e] = s;
+      }
+    }
+  }
+}
+
+// Zeroes a set of accumulator fragments.
+template <typename A, int N>
+MHA_DEVICE void zero(A (&acc)[N][4]) {
+MHA_UNROLL
+  for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = A(0);
+}
+
+// Copies rows [r0, r0 + rows) x cols [0, cols) of a strided global matrix
+// into a (kRows x kCols) shared tile with row stride ld, zero elsewhere.
+template <typename T>
+MHA_DEVICE void load_tile(T* dst, int ld, int k_rows, int k_cols, const T* src, int64_t rs, int64_t cs,
+                          int64_t r0, int64_t rows, int64_t cols) {
+  const int n = k_rows * k_cols, step = static_cast<int>(block_dim().x);
+  for (int idx = static_cast<int>(thread_idx().x); idx < n; idx += step) {
+    const int r = idx / k_cols, c = idx % k_cols;
+    const bool valid = r0 + r < rows && c < cols;
+    dst[r * ld + c] = valid ? src[(r0 + r) * rs + c * cs] : to_elem<T>(0.f);
+  }
+}
+
+template <typename T>
+MHA_DEVICE const T* as(const void* p) { return static_cast<const T*>(p); }
+
+// Scaled score of query row i and key column j of head (b, h) after the mask
+// and the causal rule (-inf where hidden); s is the raw dot product.
+template <typename T, typename A>
+MHA_DEVICE A masked_score(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int64_t j, A s) {
+  A x = s * static_cast<A>(p.scale);
+  if (p.mask_kind != MaskKind::kNone) {
+    const int64_t off = b * p.mask_stride.b + h * p.mask_stride.h + i * p.mask_stride.row + j * p.mask_stride.col;
+    if (p.mask_kind == MaskKind::kBool) {
+      if (!as<bool>(p.mask)[off]) x = -INFINITY;
+    } else {
+      x += static_cast<A>(to_float(as<T>(p.mask)[off]));
+    }
+  }
+  if (p.is_causal && j > i) x = -INFINITY;
+  return x;
+}
+
+// Whether dropout keeps element (b, h, i, j): dropout.h's stream. `words`
+// caches the Philox block of column group j / 4 for the pair (j, j + 1).
+MHA_DEVICE uint64_t dropout_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i) {
+  return static_cast<uint64_t>((b * p.heads_q + h) * p.len_q + i);
+}
+MHA_DEVICE bool dropout_keep(const AttentionFwdParams& p, uint64_t row, int64_t j) {
+  const Philox4 r = philox4x32_10(p.dropout.seed, row, p.dropout.offset + static_cast<uint64_t>(j >> 2));
+  return r.w[j & 3] >= p.dropout.drop_threshold;
+}
+
+// Sum / max over the 4 lanes that share a row (lanes 4g .. 4g + 3).
+template <typename A>
+MHA_DEVICE A row_sum4(A x) {
+  x += shfl_xor(x, 1);
+  return x + shfl_xor(x, 2);
+}
+template <typename A>
+MHA_DEVICE A row_max4(A x) {
+  x = nan_max(x, shfl_xor(x, 1));
+  return nan_max(x, shfl_xor(x, 2));
+}
+
+// ---------------------------------------------------------------------------
+// Forward. Shared: Q (kBlockM x kLd), K and V (kBlockN x kLd), P (kBlockM x kLdP).
+template <typename T, int kHeadDim>
+MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams p) {
+  using A = typename AccOf<T>::type;
+  using Cfg = TileConfig<T, kHeadDim>;
+  constexpr int kM = Cfg::kFwdBlockM, kN = Cfg::kFwdBlockN, kLd = Cfg::kLd, kLdP = kN + Cfg::kPad;
+  constexpr int kNT = kN / 8, kOT = kHeadDim / 8;
+  T* q_s = dynamic_shared<T>();
+  T* k_s = q_s + kM * kLd;
+  T* v_s = k_s + kN * kLd;
+  T* p_s = v_s + kN * kLd;
+
+  const int tid = static_cast<int>(thread_idx().x), lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int64_t bh = block_idx().x, b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
+  const int64_t i0 = static_cast<int64_t>(block_idx().y) * kM;
+  const int64_t L = p.len_q, S = p.len_kv;
+  const A rescale = static_cast<A>(p.dropout.rescale);
+
+  load_tile(q_s, kLd, kM, kHeadDim, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row,
+            p.q_stride.col, i0, L, p.head_dim);
+  const T* k_g = as<T>(p.k) + b * p.k_stride.b + hk * p.k_stride.h;
+  const T* v_g = as<T>(p.v) + b * p.v_stride.b + hk * p.v_stride.h;
+
+  A o[kOT][4];
+  zero(o);
+  A m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {A(0), A(0)};
+  const int64_t kv_end = p.is_causal ? (i0 + kM < S ? i0 + kM : S) : S;
+
+  for (int64_t j0 = 0; j0 < kv_end; j0 += kN) {
+    sync_threads();  // the previous tile's readers are done with k_s, v_s
+    load_tile(k_s, kLd, kN, kHeadDim, k_g, p.k_stride.row, p.k_stride.col, j0, S, p.head_dim);
+    load_tile(v_s, kLd, kN, kHeadDim, v_g, p.v_stride.row, p.v_stride.col, j0, S, p.head_dim_v);
+    sync_threads();
+
+    A s[kNT][4];
+    zero(s);
+    warp_mma<T>(s, Tile2<T>{q_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane);
+
+    A tile_max[2] = {-INFINITY, -INFINITY};
+MHA_UNROLL
+    for (int t = 0; t < kNT; ++t)
+MHA_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, e);
+        const int64_t j = j0 + 8 * t + MmaLayout::c_col(lane, e);
+        s[t][e] = (i < L && j < S) ? masked_score<T>(p, b, h, i, j, s[t][e]) : A(-INFINITY);
+        tile_max[e / 2] = nan_max(tile_max[e / 2], s[t][e]);
+      }
+    A alpha[2];
+MHA_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const A new_max = nan_max(m_run[r], row_max4(tile_max[r]));
+      // alpha rescales what was accumulated under the old max (nothing yet if it was -inf)
+      alpha[r] = m_run[r] == A(-INFINITY) ? A(0) : fexp(m_run[r] - new_max);
+      m_run[r] = new_max;
+    }
+    A part[2] = {A(0), A(0)};
+MHA_UNROLL
+    for (int t = 0; t < kNT; ++t)
+MHA_UNROLL
+      for (int e = 0; e < 4; e += 2) {
+        const int r = e / 2;
+        const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, e);
+        const int64_t j = j0 + 8 * t + MmaLayout::c_col(lane, e);
+        A p0 = m_run[r] == A(-INFINITY) ? A(0) : fexp(s[t][e] - m_run[r]);
+        A p1 = m_run[r] == A(-INFINITY) ? A(0) : fexp(s[t][e + 1] - m_run[r]);
+        part[r] += p0 + p1;
+        if (p.dropout.enabled() && i < L) {
+          // columns j, j + 1 share one Philox block (j even, tiles start at multiples of 16)
+          const Philox4 w = philox4x32_10(p.dropout.seed, dropout_row(p, b, h, i),
+                                          p.dropout.offset + static_cast<uint64_t>(j >> 2));
+          p0 = w.w[j & 3] >= p.dropout.drop_threshold ? p0 * rescale : A(0);
+          p1 = w.w[(j + 1) & 3] >= p.dropout.drop_threshold ? p1 * rescale : A(0);
+        }
+        T* dst = p_s + (warp * 16 + MmaLayout::c_row(lane, e)) * kLdP + 8 * t + MmaLayout::c_col(lane, e);
+        dst[0] = to_elem<T>(p0);
+        dst[1] = to_elem<T>(p1);
+      }
+MHA_UNROLL
+    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + part[r];
+MHA_UNROLL
+    for (int t = 0; t < kOT; ++t)
+MHA_UNROLL
+      for (int e = 0; e < 4; ++e) o[t][e] *= alpha[e / 2];
+    sync_warp();  // the warp's P rows are written
+    warp_mma<T>(o, Tile2<T>{p_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{v_s, kLd, 1}, kN, lane);
+  }
+
+  A l[2], inv[2];
+MHA_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    l[r] = row_sum4(l_run[r]);
+    inv[r] = l[r] > A(0) ? A(1) / l[r] : A(0);  // 0 for a fully masked row (l = 0)
+  }
+  T* out = static_cast<T*>(p.out) + b * p.out_stride.b + h * p.out_stride.h;
+MHA_UNROLL
+  for (int t = 0; t < kOT; ++t)
+MHA_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, e);
+      const int c = 8 * t + MmaLayout::c_col(lane, e);
+      if (i < L && c < p.head_dim_v) out[i * p.out_stride.row + c * p.out_stride.col] = to_elem<T>(o[t][e] * inv[e / 2]);
+    }
+  if (lane % 4 == 0) {
+    A* lse = static_cast<A*>(p.lse) + bh * L;
+MHA_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, 2 * r);
+      // -inf for a fully masked row; NaN stays NaN
+      if (i < L) lse[i] = l[r] > A(0) ? m_run[r] + flog(l[r]) : (l[r] == l[r] ? A(-INFINITY) : l[r]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Backward, shared by the key-block kernel and the dQ kernel: the probability
+// (after dropout) and dS of element (i, j) from its raw score s and dP.
+// The mask gradient (dS itself) goes to grad_mask when that is not null.
+template <typename T, typename A>
+MHA_DEVICE void prob_and_grad(const AttentionBwdParams& p, int64_t b, int64_t h, int64_t i, int64_t j, A s,
+                              A dp, A lse, A d, A* grad_mask, A& prob, A& ds) {
+  prob = A(0);
+  ds = A(0);
+  if (i >= p.len_q || j >= p.len_kv || lse == A(-INFINITY)) return;  // fully masked row: no gradient
+  A pr = fexp(masked_score<T>(p, b, h, i, j, s) - lse);
+  if (p.dropout.enabled()) {
+    // O = sum_j P_j z_j V_j / (1 - p): dP_j picks up z_j / (1 - p), and dV takes the dropped P.
+    const bool keep = dropout_keep(p, dropout_row(p, b, h, i), j);
+    const A rescale = static_cast<A>(p.dropout.rescale);
+    dp = keep ? dp * rescale : A(0);
+    ds = pr * (dp - d);
+    pr = keep ? pr * rescale : A(0);
+  } else {
+    ds = pr * (dp - d);
+  }
+  prob = pr;
+  if (grad_mask != nullptr) grad_mask[((b * p.heads_q + h) * p.len_q + i) * p.len_kv + j] = ds;
+}
+
+// row_dot[(b, h, i)] = sum_e dO[i, e] * O[i, e]; grid (B * Hq, ceil(L / warps)).
+template <typename T>
+MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams p) {
+  using A = typename AccOf<T>::type;
+  const int lane = static_cast<int>(thread_idx().x) % kWarpSize;
+  const int warps = static_cast<int>(block_dim().x) / kWarpSize;
+  const int64_t bh = block_idx().x, b = bh / p.heads_q, h = bh % p.heads_q;
+  const int64_t i = static_cast<int64_t>(block_idx().y) * warps + static_cast<int>(thread_idx().x) / kWarpSize;
+  const T* go = as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h + i * p.grad_out_stride.row;
+  const T* o = as<T>(p.out) + b * p.out_stride.b + h * p.out_stride.h + i * p.out_stride.row;
+  A sum = A(0);
+  if (i < p.len_q)
+    for (int64_t e = lane; e < p.head_dim_v; e += kWarpSize)
+      sum += static_cast<A>(to_float(go[e * p.grad_out_stride.col])) * static_cast<A>(to_float(o[e * p.out_stride.col]));
+  for (int m = 16; m > 0; m /= 2) sum += shfl_xor(sum, m);
+  if (lane == 0 && i < p.len_q) static_cast<A*>(p.row_dot)[bh * p.len_q + i] = sum;
+}
+
+// Key-block kernel. Shared: K, V, Q, dO (kB x kLd), P^T / dS^T (kB x kLdP),
+// lse and D of the query tile (kB each, accumulation type).
+template <typename T, int kHeadDim>
+MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams p) {
+  using A = typename AccOf<T>::type;
+  using Cfg = TileConfig<T, kHeadDim>;
+  constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = kB + Cfg::kPad;
+  constexpr int kNT = kB / 8, kOT = kHeadDim / 8, kChunk = 4;  // dQ in 32-column chunks
+  T* k_s = dynamic_shared<T>();
+  T* v_s = k_s + kB * kLd;
+  T* q_s = v_s + kB * kLd;
+  T* do_s = q_s + kB * kLd;
+  T* t_s = do_s + kB * kLd;
+  A* lse_s = reinterpret_cast<A*>(t_s + kB * kLdP);
+  A* d_s = lse_s + kB;
+
+  const int tid = static_cast<int>(thread_idx().x), lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int64_t bh = block_idx().x, b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
+  const int64_t j0 = static_cast<int64_t>(block_idx().y) * kB;
+  const int64_t L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
+
+  load_tile(k_s, kLd, kB, kHeadDim, as<T>(p.k) + b * p.k_stride.b + hk * p.k_stride.h, p.k_stride.row,
+            p.k_stride.col, j0, S, E);
+  load_tile(v_s, kLd, kB, kHeadDim, as<T>(p.v) + b * p.v_stride.b + hk * p.v_stride.h, p.v_stride.row,
+            p.v_stride.col, j0, S, Ev);
+  const T* q_g = as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h;
+  const T* do_g = as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h;
+  const A* lse_g = static_cast<const A*>(p.lse) + bh * L;
+  const A* d_g = static_cast<const A*>(p.row_dot) + bh * L;
+  A* dq_g = static_cast<A*>(p.grad_q_accum);
+
+  A dk[kOT][4], dv[kOT][4];
+  zero(dk);
+  zero(dv);
+
+  // causal: query rows before j0 see none of this block's keys
+  for (int64_t i0 = p.is_causal ? j0 : 0; i0 < L; i0 += kB) {
+    sync_threads();  // the previous tile's readers are done
+    load_tile(q_s, kLd, kB, kHeadDim, q_g, p.q_stride.row, p.q_stride.col, i0, L, E);
+    load_tile(do_s, kLd, kB, kHeadDim, do_g, p.grad_out_stride.row, p.grad_out_stride.col, i0, L, Ev);
+    for (int r = tid; r < kB; r += static_cast<int>(block_dim().x)) {
+      lse_s[r] = i0 + r < L ? lse_g[i0 + r] : A(-INFINITY);
+      d_s[r] = i0 + r < L ? d_g[i0 + r] : A(0);
+    }
+    sync_threads();
+
+    // S^T and dP^T of the warp's 16 keys against the tile's queries
+    A st[kNT][4], dpt[kNT][4];
+    zero(st);
+    zero(dpt);
+    warp_mma<T>(st, Tile2<T>{k_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{q_s, 1, kLd}, kHeadDim, lane);
+    warp_mma<T>(dpt, Tile2<T>{v_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{do_s, 1, kLd}, kHeadDim, lane);
+MHA_UNROLL
+    for (int t = 0; t < kNT; ++t)
+MHA_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int rj = warp * 16 + MmaLayout::c_row(lane, e), ci = 8 * t + MmaLayout::c_col(lane, e);
+        A prob, ds;
+        prob_and_grad<T>(p, b, h, i0 + ci, j0 + rj, st[t][e], dpt[t][e], lse_s[ci], d_s[ci],
+                         static_cast<A*>(p.grad_mask), prob, ds);
+        st[t][e] = prob;
+        dpt[t][e] = ds;
+        t_s[rj * kLdP + ci] = to_elem<T>(prob);
+      }
+    sync_warp();
+    warp_mma<T>(dv, Tile2<T>{t_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{do_s, kLd, 1}, kB, lane);  // dV += P^T dO
+    sync_warp();  // P^T read before dS^T overwrites it
+MHA_UNROLL
+    for (int t = 0; t < kNT; ++t)
+MHA_UNROLL
+      for (int e = 0; e < 4; ++e)
+        t_s[(warp * 16 + MmaLayout::c_row(lane, e)) * kLdP + 8 * t + MmaLayout::c_col(lane, e)] = to_elem<T>(dpt[t][e]);
+    sync_warp();
+    warp_mma<T>(dk, Tile2<T>{t_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{q_s, kLd, 1}, kB, lane);  // dK += dS^T Q
+
+    if (dq_g != nullptr) {
+      sync_threads();  // every warp's dS^T rows are written
+      // dQ rows warp * 16 .. of the tile += dS K, in 32-column chunks
+      for (int c0 = 0; c0 < kHeadDim; c0 += 8 * kChunk) {
+        A dqa[kChunk][4];
+        zero(dqa);
+        warp_mma<T>(dqa, Tile2<T>{t_s + warp * 16, 1, kLdP}, Tile2<T>{k_s + c0, kLd, 1}, kB, lane);
+MHA_UNROLL
+        for (int t = 0; t < kChunk; ++t)
+MHA_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, e);
+            const int c = c0 + 8 * t + MmaLayout::c_col(lane, e);
+            if (i < L && c < E)
+              atomic_add(dq_g + (bh * L + i) * E + c, dqa[t][e] * static_cast<A>(p.scale));
+          }
+      }
+    }
+  }
+
+  // per query head; the host sums GQA groups
+  A* dk_g = static_cast<A*>(p.grad_k) + bh * S * E;
+  A* dv_g = static_cast<A*>(p.grad_v) + bh * S * Ev;
+MHA_UNROLL
+  for (int t = 0; t < kOT; ++t)
+MHA_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int64_t j = j0 + warp * 16 + MmaLayout::c_row(lane, e);
+      const int c = 8 * t + MmaLayout::c_col(lane, e);
+      if (j < S && c < E) dk_g[j * E + c] = dk[t][e] * static_cast<A>(p.scale);
+      if (j < S && c < Ev) dv_g[j * Ev + c] = dv[t][e];
+    }
+}
+
+// Deterministic dQ: grid (B * Hq, query blocks of kB rows), key tiles streamed.
+// Shared: Q, dO, K, V (kB x kLd), dS (kB x kLdP).
+template <typename T, int kHeadDim>
+MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams p) {
+  using A = typename AccOf<T>::type;
+  using Cfg = TileConfig<T, kHeadDim>;
+  constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = kB + Cfg::kPad;
+  constexpr int kNT = kB / 8, kOT = kHeadDim / 8;
+  T* q_s = dynamic_shared<T>();
+  T* do_s = q_s + kB * kLd;
+  T* k_s = do_s + kB * kLd;
+  T* v_s = k_s + kB * kLd;
+  T* t_s = v_s + kB * kLd;
+
+  const int tid = static_cast<int>(thread_idx().x), lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int64_t bh = block_idx().x, b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
+  const int64_t i0 = static_cast<int64_t>(block_idx().y) * kB;
+  const int64_t L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
+
+  load_tile(q_s, kLd, kB, kHeadDim, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row,
+            p.q_stride.col, i0, L, E);
+  load_tile(do_s, kLd, kB, kHeadDim, as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h,
+            p.grad_out_stride.row, p.grad_out_stride.col, i0, L, Ev);
+  const T* k_g = as<T>(p.k) + b * p.k_stride.b + hk * p.k_stride.h;
+  const T* v_g = as<T>(p.v) + b * p.v_stride.b + hk * p.v_stride.h;
+  A lse[2], dd[2];
+MHA_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, 2 * r);
+    lse[r] = i < L ? static_cast<const A*>(p.lse)[bh * L + i] : A(-INFINITY);
+    dd[r] = i < L ? static_cast<const A*>(p.row_dot)[bh * L + i] : A(0);
+  }
+
+  A dq[kOT][4];
+  zero(dq);
+  const int64_t kv_end = p.is_causal ? (i0 + kB < S ? i0 + kB : S) : S;
+  for (int64_t j0 = 0; j0 < kv_end; j0 += kB) {
+    sync_threads();
+    load_tile(k_s, kLd, kB, kHeadDim, k_g, p.k_stride.row, p.k_stride.col, j0, S, E);
+    load_tile(v_s, kLd, kB, kHeadDim, v_g, p.v_stride.row, p.v_stride.col, j0, S, Ev);
+    sync_threads();
+    A s[kNT][4], dp[kNT][4];
+    zero(s);
+    zero(dp);
+    warp_mma<T>(s, Tile2<T>{q_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane);
+    warp_mma<T>(dp, Tile2<T>{do_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{v_s, 1, kLd}, kHeadDim, lane);
+MHA_UNROLL
+    for (int t = 0; t < kNT; ++t)
+MHA_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int ri = warp * 16 + MmaLayout::c_row(lane, e), cj = 8 * t + MmaLayout::c_col(lane, e);
+        A prob, ds;
+        // the key-block kernel writes the mask gradient
+        prob_and_grad<T>(p, b, h, i0 + ri, j0 + cj, s[t][e], dp[t][e], lse[e / 2], dd[e / 2],
+                         static_cast<A*>(nullptr), prob, ds);
+        t_s[ri * kLdP + cj] = to_elem<T>(ds);
+      }
+    sync_warp();
+    warp_mma<T>(dq, Tile2<T>{t_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{k_s, kLd, 1}, kB, lane);  // dQ += dS K
+  }
+
+  T* dq_g = static_cast<T*>(p.grad_q) + bh * L * E;
+MHA_UNROLL
+  for (int t = 0; t < kOT; ++t)
+MHA_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, e);
+      const int c = 8 * t + MmaLayout::c_col(lane, e);
+      if (i < L && c < E) dq_g[i * E + c] = to_elem<T>(dq[t][e] * static_cast<A>(p.scale));
+    }
+}
+
+}  // namespace mha_ext::device

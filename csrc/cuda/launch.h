@@ -1,0 +1,105 @@
+// Launchers of the CUDA attention kernels: the one head-dim switch, and the
+// grid, block and shared memory of each kernel. Host code, shared by the CUDA
+// build (attention_cuda.cu) and the emulation tests (tests/emul).
+//
+// Instantiations: 4 element types x 3 head dims x 3 kernels (fwd, bwd, bwd_dq)
+// + 4 bwd_dot = 40 per architecture.
+#pragma once
+
+#include "attention_kernels.h"
+
+#include <algorithm>
+#include <cstddef>
+
+namespace mha_ext::device {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+// The compile-time head dim a call runs with: max(E, Ev) rounded up to 64,
+// 128 or 256 (tiles are zero-padded beyond E and Ev). 0 when too large.
+inline int padded_head_dim(int64_t e, int64_t ev) {
+  const int64_t d = std::max(e, ev);
+  return d <= 64 ? 64 : d <= 128 ? 128 : d <= 256 ? 256 : 0;
+}
+
+#define MHA_HEAD_DIM_SWITCH(D, ...)       \
+  [&] {                                   \
+    if ((D) == 64) {                      \
+      constexpr int kHeadDim = 64;        \
+      return __VA_ARGS__();               \
+    } else if ((D) == 128) {              \
+      constexpr int kHeadDim = 128;       \
+      return __VA_ARGS__();               \
+    } else {                              \
+      constexpr int kHeadDim = 256;       \
+      return __VA_ARGS__();               \
+    }                                     \
+  }()
+
+// Shared-memory bytes of the forward: Q, K, V tiles and P.
+//   f16/bf16: D 64: 36.0 KiB, 128: 60.0 KiB, 256: 71.0 KiB
+//   float:    D 64: 43.0 KiB, 128: 54.0 KiB, 256: 67.5 KiB
+//   double:   D 64: 37.5 KiB, 128: 51.0 KiB, 256: 99.0 KiB
+// (A100 allows 163 KiB per block, H100 227 KiB.)
+template <typename T, int kHeadDim>
+constexpr size_t fwd_shared_bytes() {
+  using C = TileConfig<T, kHeadDim>;
+  return sizeof(T) * ((C::kFwdBlockM + 2 * C::kFwdBlockN) * C::kLd + C::kFwdBlockM * (C::kFwdBlockN + C::kPad));
+}
+
+// Backward (both kernels): K, V, Q, dO tiles, P^T / dS^T, lse and D.
+//   f16/bf16: D 64: 45.5 KiB, 128: 77.5 KiB, 256: 68.8 KiB
+//   float:    D 64: 38.8 KiB, 128: 70.8 KiB, 256: 66.4 KiB
+//   double:   D 64: 35.5 KiB, 128: 67.5 KiB, 256: 131.5 KiB
+template <typename T, int kHeadDim>
+constexpr size_t bwd_shared_bytes() {
+  using C = TileConfig<T, kHeadDim>;
+  using A = typename AccOf<T>::type;
+  return sizeof(T) * (4 * C::kBwdBlock * C::kLd + C::kBwdBlock * (C::kBwdBlock + C::kPad)) +
+         2 * C::kBwdBlock * sizeof(A);
+}
+
+// Grid rows (y) a launch over `rows` in blocks of `block` needs; CUDA allows
+// 65535, which the host checks before launching.
+inline unsigned row_blocks(int64_t rows, int block) { return static_cast<unsigned>((rows + block - 1) / block); }
+
+// Most rows any launch of this element type covers in its grid's y dimension.
+template <typename T>
+int64_t max_rows() {
+  return 65535 * int64_t(std::min(TileConfig<T, 256>::kFwdBlockM, TileConfig<T, 256>::kBwdBlock));
+}
+
+template <typename T>
+auto launch_attention_fwd(const AttentionFwdParams& p, Stream stream) {
+  const int d = padded_head_dim(p.head_dim, p.head_dim_v);
+  return MHA_HEAD_DIM_SWITCH(d, [&] {
+    using C = TileConfig<T, kHeadDim>;
+    const dim3 grid(static_cast<unsigned>(p.batch * p.heads_q), row_blocks(p.len_q, C::kFwdBlockM));
+    return launch_kernel(attention_fwd_kernel<T, kHeadDim>, grid, dim3(32 * C::kFwdWarps),
+                         fwd_shared_bytes<T, kHeadDim>(), stream, p);
+  });
+}
+
+// D = rowsum(dO * O) into p.row_dot, then the key-block kernel, then (when
+// p.grad_q_accum is null) the deterministic dQ kernel. `check` receives each
+// launch's status.
+template <typename T, typename Check>
+void launch_attention_bwd(const AttentionBwdParams& p, Stream stream, Check&& check) {
+  constexpr int kDotWarps = 4;
+  const unsigned bh = static_cast<unsigned>(p.batch * p.heads_q);
+  check(launch_kernel(attention_bwd_dot_kernel<T>, dim3(bh, row_blocks(p.len_q, kDotWarps)),
+                      dim3(32 * kDotWarps), 0, stream, p));
+  const int d = padded_head_dim(p.head_dim, p.head_dim_v);
+  MHA_HEAD_DIM_SWITCH(d, [&] {
+    using C = TileConfig<T, kHeadDim>;
+    const dim3 block(32 * C::kBwdWarps);
+    const size_t smem = bwd_shared_bytes<T, kHeadDim>();
+    check(launch_kernel(attention_bwd_kernel<T, kHeadDim>, dim3(bh, row_blocks(p.len_kv, C::kBwdBlock)), block,
+                        smem, stream, p));
+    if (p.grad_q_accum == nullptr)
+      check(launch_kernel(attention_bwd_dq_kernel<T, kHeadDim>, dim3(bh, row_blocks(p.len_q, C::kBwdBlock)), block,
+                          smem, stream, p));
+  });
+}
+
+}  // namespace mha_ext::device

@@ -1,0 +1,119 @@
+// The tensor-core operation of the CUDA device code: the warp-wide
+//   mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32
+// D (16 x 8, f32) = A (16 x 16) * B (16 x 8) + C, with the per-lane register
+// layout the PTX ISA documents for it (lane = 4 g + t, g = lane / 4, t = lane % 4):
+//   A, 8 halves a0..a7 in 4 registers (a0 the low half of register 0):
+//       row g for a0, a1, a4, a5 and g + 8 for a2, a3, a6, a7;
+//       column 2t + (i & 1), plus 8 for a4..a7
+//   B, 4 halves b0..b3 in 2 registers: row (k) 2t + (i & 1), plus 8 for b2, b3;
+//       column (n) g
+//   C, D, 4 floats c0..c3: row g for c0, c1 and g + 8 for c2, c3; column 2t + (i & 1)
+// Under nvcc this is the instruction (inline PTX, sm_80 and newer). In the
+// emulation every lane of the warp publishes its registers, and each lane
+// computes its own four D elements from the gathered A and B, reading each
+// element from the lane and register the layout says holds it, in float32 as
+// the hardware accumulates.
+#pragma once
+
+#include "numeric.h"
+
+#include <type_traits>
+
+namespace mha_ext::simt {
+
+struct MmaLayout {
+  // Position of element i of a lane's A fragment in the 16 x 16 tile.
+  MHA_DEVICE static int a_row(int lane, int i) { return lane / 4 + ((i & 2) ? 8 : 0); }
+  MHA_DEVICE static int a_col(int lane, int i) { return 2 * (lane % 4) + (i & 1) + ((i & 4) ? 8 : 0); }
+  // Position of element i of a lane's B fragment in the 16 x 8 tile (k, n).
+  MHA_DEVICE static int b_row(int lane, int i) { return 2 * (lane % 4) + (i & 1) + ((i & 2) ? 8 : 0); }
+  MHA_DEVICE static int b_col(int lane, int /*i*/) { return lane / 4; }
+  // Position of element i of a lane's C / D fragment in the 16 x 8 tile.
+  MHA_DEVICE static int c_row(int lane, int i) { return lane / 4 + ((i & 2) ? 8 : 0); }
+  MHA_DEVICE static int c_col(int lane, int i) { return 2 * (lane % 4) + (i & 1); }
+};
+
+// Two 16-bit elements in one register, `lo` in the low half.
+template <typename T16>
+MHA_DEVICE uint32_t pack2(T16 lo, T16 hi) {
+  return static_cast<uint32_t>(bits_of(lo)) | (static_cast<uint32_t>(bits_of(hi)) << 16);
+}
+
+#if defined(__CUDACC__)
+
+// d += a * b on the tensor cores; T16 is f16 or bf16.
+template <typename T16>
+MHA_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T16, f16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#else
+  __trap();  // the build targets sm_80 and newer only
+#endif
+}
+
+#else
+
+namespace emul {
+
+inline float half_bits_to_float(uint16_t bits, f16*) {
+  f16 h;
+  h.x = bits;
+  return static_cast<float>(h);
+}
+inline float half_bits_to_float(uint16_t bits, bf16*) {
+  bf16 h;
+  h.x = bits;
+  return static_cast<float>(h);
+}
+
+}  // namespace emul
+
+template <typename T16>
+inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  const int lane = emul::linear_tid() % kWarpSize;
+  uint32_t mine[6];
+  for (int r = 0; r < 4; ++r) mine[r] = a[r];
+  mine[4] = b[0];
+  mine[5] = b[1];
+  float result[4];
+  emul::warp_exchange_words(mine, 6, [&](auto&& word_of) {
+    // Element (row, col) of A: lane 4 (row % 8) + (col % 8) / 2, element index
+    // (col & 1) + 2 [row >= 8] + 4 [col >= 8], two per register.
+    auto a_at = [&](int row, int col) {
+      const int src = 4 * (row % 8) + (col % 8) / 2;
+      const int i = (col & 1) + (row >= 8 ? 2 : 0) + (col >= 8 ? 4 : 0);
+      const uint32_t w = word_of(src, i / 2);
+      return emul::half_bits_to_float(static_cast<uint16_t>(i % 2 ? w >> 16 : w & 0xffff), (T16*)nullptr);
+    };
+    // Element (k, n) of B: lane 4 n + (k % 8) / 2, element (k & 1) + 2 [k >= 8].
+    auto b_at = [&](int k, int n) {
+      const int src = 4 * n + (k % 8) / 2;
+      const int i = (k & 1) + (k >= 8 ? 2 : 0);
+      const uint32_t w = word_of(src, 4 + i / 2);
+      return emul::half_bits_to_float(static_cast<uint16_t>(i % 2 ? w >> 16 : w & 0xffff), (T16*)nullptr);
+    };
+    for (int e = 0; e < 4; ++e) {
+      const int row = MmaLayout::c_row(lane, e), col = MmaLayout::c_col(lane, e);
+      float acc = d[e];
+      for (int k = 0; k < 16; ++k) acc += a_at(row, k) * b_at(k, col);
+      result[e] = acc;
+    }
+  });
+  for (int e = 0; e < 4; ++e) d[e] = result[e];
+}
+
+#endif
+
+}  // namespace mha_ext::simt

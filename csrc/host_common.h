@@ -1,0 +1,179 @@
+// Host-side helpers every backend's host functions share: flattening the
+// batch dims, strides, the dropout contract and filling the kernel params.
+#pragma once
+
+#include "attention_params.h"
+#include "checks.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <cmath>
+#include <initializer_list>
+#include <optional>
+#include <vector>
+
+namespace mha_ext {
+
+// (N..., X, Y, Z) -> (B, X, Y, Z) without a copy when the batch dims collapse,
+// which covers contiguous, transposed-inner and expanded inputs.
+inline at::Tensor flatten_batch(const at::Tensor& t) {
+  if (t.dim() == 3) return t.unsqueeze(0);
+  if (t.dim() == 4) return t;
+  return t.reshape({-1, t.size(-3), t.size(-2), t.size(-1)});
+}
+
+inline Strides4 strides_of(const at::Tensor& t4) {
+  return Strides4{t4.stride(0), t4.stride(1), t4.stride(2), t4.stride(3)};
+}
+
+inline std::vector<int64_t> with_batch(const AttentionShape& s, std::initializer_list<int64_t> tail) {
+  std::vector<int64_t> v = s.batch_sizes;
+  v.insert(v.end(), tail);
+  return v;
+}
+
+inline at::ScalarType acc_type_of(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// The dropout contract of dropout.h for probability p and (seed, offset).
+inline DropoutParams dropout_params(double p, const at::Tensor& rng_state) {
+  const int64_t* r = rng_state.const_data_ptr<int64_t>();
+  DropoutParams d;
+  d.p = p;
+  d.rescale = 1.0 / (1.0 - p);
+  d.drop_threshold = static_cast<uint32_t>(std::floor(p * 4294967296.0));
+  d.seed = static_cast<uint64_t>(r[0]);
+  d.offset = static_cast<uint64_t>(r[1]);
+  return d;
+}
+
+// Fills everything the forward and backward share: sizes, strides, mask,
+// scale, dropout. Returns the flattened views it pointed at, which must
+// outlive the kernel call.
+inline std::vector<at::Tensor> fill_common(AttentionFwdParams& p, const AttentionShape& s,
+                                    const at::Tensor& query, const at::Tensor& key,
+                                    const at::Tensor& value,
+                                    const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                    bool is_causal, std::optional<double> scale,
+                                    const std::optional<at::Tensor>& rng_state) {
+  std::vector<at::Tensor> keep_alive;
+  at::Tensor q4 = flatten_batch(query), k4 = flatten_batch(key), v4 = flatten_batch(value);
+  p.q = q4.const_data_ptr();
+  p.k = k4.const_data_ptr();
+  p.v = v4.const_data_ptr();
+  p.q_stride = strides_of(q4);
+  p.k_stride = strides_of(k4);
+  p.v_stride = strides_of(v4);
+  keep_alive.insert(keep_alive.end(), {q4, k4, v4});
+
+  p.batch = s.batch;
+  p.heads_q = s.heads_q;
+  p.heads_kv = s.heads_kv;
+  p.len_q = s.len_q;
+  p.len_kv = s.len_kv;
+  p.head_dim = s.head_dim;
+  p.head_dim_v = s.head_dim_v;
+  p.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+  p.is_causal = is_causal;
+
+  if (attn_mask.has_value()) {
+    at::Tensor m4 = flatten_batch(attn_mask->expand(with_batch(s, {s.heads_q, s.len_q, s.len_kv})));
+    p.mask = m4.const_data_ptr();
+    p.mask_stride = strides_of(m4);
+    p.mask_kind = m4.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kFloat;
+    keep_alive.push_back(m4);
+  }
+
+  if (dropout_p > 0.0) {
+    TORCH_INTERNAL_ASSERT(rng_state.has_value());
+    p.dropout = dropout_params(dropout_p, *rng_state);
+  }
+  return keep_alive;
+}
+
+// What the forward host function of every backend does before its kernel:
+// check the inputs (plus `check_backend` on the shape), settle the rng state
+// (the given one, or `draw()` when dropout needs one), allocate out and lse,
+// and, when there is a row to compute, fill the params.
+struct ForwardCall {
+  AttentionShape s;
+  at::Tensor out, lse, rng_state;
+  AttentionFwdParams p;
+  std::vector<at::Tensor> keep_alive;  // views p points into
+  bool has_rows = false;               // B * Hq * L > 0: p is filled
+};
+
+template <typename CheckBackend, typename Draw>
+ForwardCall prepare_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                            std::optional<double> scale, bool enable_gqa,
+                            const std::optional<at::Tensor>& rng_state, CheckBackend&& check_backend,
+                            Draw&& draw) {
+  ForwardCall c;
+  c.s = check_attention_inputs(query, key, value, attn_mask, dropout_p, enable_gqa);
+  check_backend(c.s);
+  if (dropout_p > 0.0) {
+    if (rng_state.has_value()) check_rng_state(*rng_state);
+    c.rng_state = rng_state.has_value() ? rng_state->clone() : draw();
+  } else {
+    c.rng_state = at::zeros({2}, at::TensorOptions().dtype(at::kLong));
+  }
+  const AttentionShape& s = c.s;
+  c.out = at::empty(with_batch(s, {s.heads_q, s.len_q, s.head_dim_v}), query.options());
+  c.lse = at::empty(with_batch(s, {s.heads_q, s.len_q}), query.options().dtype(acc_type_of(query.scalar_type())));
+  c.has_rows = s.batch * s.heads_q * s.len_q > 0;
+  if (!c.has_rows) return c;
+  c.keep_alive = fill_common(c.p, s, query, key, value, attn_mask, dropout_p, is_causal, scale, c.rng_state);
+  at::Tensor out4 = flatten_batch(c.out);
+  c.p.out = out4.data_ptr();
+  c.p.out_stride = strides_of(out4);
+  c.p.lse = c.lse.data_ptr();
+  c.keep_alive.push_back(out4);
+  return c;
+}
+
+// The same for the backward: checks (grad_out, out and logsumexp against the
+// forward's shapes too), whether a mask gradient is wanted, and, when there
+// is a head (B * Hq > 0), the params of the inputs. Outputs are the backend's.
+struct BackwardCall {
+  AttentionShape s;
+  bool want_mask_grad = false;  // a floating attn_mask that requires grad
+  AttentionBwdParams p;
+  std::vector<at::Tensor> keep_alive;
+  bool has_heads = false;
+};
+
+template <typename CheckBackend>
+BackwardCall prepare_backward(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+                              const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+                              const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                              std::optional<double> scale, bool enable_gqa, const at::Tensor& rng_state,
+                              bool attn_mask_requires_grad, CheckBackend&& check_backend) {
+  BackwardCall c;
+  c.s = check_attention_inputs(query, key, value, attn_mask, dropout_p, enable_gqa);
+  check_backend(c.s);
+  const AttentionShape& s = c.s;
+  const auto out_sizes = with_batch(s, {s.heads_q, s.len_q, s.head_dim_v});
+  check_same_shape("grad_out", grad_out, out_sizes, query);
+  check_same_shape("out", out, out_sizes, query);
+  check_same_shape("logsumexp", logsumexp, with_batch(s, {s.heads_q, s.len_q}), query,
+                   acc_type_of(query.scalar_type()));
+  if (dropout_p > 0.0) check_rng_state(rng_state);
+  c.want_mask_grad = attn_mask_requires_grad && attn_mask.has_value() && attn_mask->scalar_type() != at::kBool;
+  c.has_heads = s.batch * s.heads_q > 0;
+  if (!c.has_heads) return c;
+  c.keep_alive = fill_common(c.p, s, query, key, value, attn_mask, dropout_p, is_causal, scale, rng_state);
+  at::Tensor go4 = flatten_batch(grad_out), o4 = flatten_batch(out), lse_c = logsumexp.contiguous();
+  c.p.grad_out = go4.const_data_ptr();
+  c.p.grad_out_stride = strides_of(go4);
+  c.p.out = const_cast<void*>(o4.const_data_ptr());
+  c.p.out_stride = strides_of(o4);
+  c.p.lse = const_cast<void*>(lse_c.const_data_ptr());
+  c.keep_alive.insert(c.keep_alive.end(), {go4, o4, lse_c});
+  return c;
+}
+
+}  // namespace mha_ext

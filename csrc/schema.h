@@ -1,0 +1,20 @@
+// The schema strings of the attention ops, in one place: mha.cpp defines the
+// mha_ext library with them (and says what each op does); the emulation
+// test library of the CUDA kernels (tests/emul) defines its ops with the
+// same strings, so the two cannot drift apart.
+#pragma once
+
+namespace mha_ext {
+
+inline constexpr const char* kAttentionSchema =
+    "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
+    "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
+    "Tensor? rng_state=None) -> (Tensor out, Tensor logsumexp, Tensor rng_state)";
+
+inline constexpr const char* kAttentionBackwardSchema =
+    "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
+    "Tensor logsumexp, Tensor? attn_mask, float dropout_p, bool is_causal, float? scale, "
+    "bool enable_gqa, Tensor rng_state, bool attn_mask_requires_grad) -> "
+    "(Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)";
+
+}  // namespace mha_ext

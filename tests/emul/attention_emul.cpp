@@ -1,0 +1,20 @@
+// Test library: the CUDA backend's host functions and kernels, compiled for
+// the CPU emulation of the CUDA primitives (csrc/cuda/simt_emul.h) and
+// registered as torch.ops.mha_ext_emul.attention / attention_backward on CPU
+// tensors, with the schemas of the real ops. tests/test_cuda_emul.py builds it
+// and holds its results to the CPU backend.
+#define MHA_SIMT_EMULATION 1
+#include "../../csrc/cuda/attention_host.h"
+#include "../../csrc/schema.h"
+
+#include <torch/library.h>
+
+TORCH_LIBRARY(mha_ext_emul, m) {
+  m.def(mha_ext::kAttentionSchema);
+  m.def(mha_ext::kAttentionBackwardSchema);
+}
+
+TORCH_LIBRARY_IMPL(mha_ext_emul, CPU, m) {
+  m.impl("attention", &mha_ext::device_host::attention_fwd_device);
+  m.impl("attention_backward", &mha_ext::device_host::attention_bwd_device);
+}

@@ -1,0 +1,289 @@
+"""The CUDA kernels, run without a GPU: tests/emul/attention_emul.cpp compiles
+the CUDA backend (csrc/cuda: host functions, launchers and the device code of
+attention_kernels.h) against the CPU emulation of the CUDA primitives
+(csrc/cuda/simt_emul.h: 32-lane warps, real block and warp barriers, shared
+memory per block, the documented mma.sync m16n8k16 register layout) and
+registers it as torch.ops.mha_ext_emul.*. Every test holds it to the CPU
+backend (torch.ops.mha_ext.*) and, for the low-precision dtypes, to the
+float64 reference. Dropout masks must agree bit for bit."""
+import glob
+import hashlib
+import os
+
+import pytest
+import torch
+
+import mha_ext  # noqa: F401  (registers torch.ops.mha_ext)
+import reference as R
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+NO_RNG = torch.zeros(2, dtype=torch.long)
+
+
+@pytest.fixture(scope="module")
+def emul():
+    from torch.utils.cpp_extension import load
+
+    build = os.path.join(ROOT, "build", "emul_ext")
+    os.makedirs(build, exist_ok=True)
+    # load() rebuilds when sources or flags change; the headers are the code
+    # under test, so their digest goes into the flags.
+    digest = hashlib.sha1()
+    for path in sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*.h"), recursive=True)):
+        digest.update(open(path, "rb").read())
+    load(name="mha_ext_emul",
+         sources=[os.path.join(ROOT, "tests", "emul", "attention_emul.cpp"), os.path.join(ROOT, "csrc", "checks.cpp")],
+         extra_cflags=["-O1", "-std=c++20", "-DMHA_SIMT_EMULATION", "-Wall", "-Werror",
+                       f"-DMHA_EMUL_HEADERS={digest.hexdigest()[:12]}"],
+         build_directory=build, is_python_module=False, verbose=False)
+    return torch.ops.mha_ext_emul
+
+
+def make(shape, dtype, scale=1.0):
+    """q (N, Hq, L, E), k (N, Hkv, S, E), v (N, Hkv, S, Ev)."""
+    n, hq, hkv, L, S, E, Ev = shape
+    q = torch.randn(n, hq, L, E, dtype=torch.float64) * scale
+    k = torch.randn(n, hkv, S, E, dtype=torch.float64)
+    v = torch.randn(n, hkv, S, Ev, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+# (N, Hq, Hkv, L, S, E, Ev): length 1, odd lengths, L != S, E != Ev, GQA, and
+# each tile configuration (padded head dim 64, 128, 256).
+SHAPES = [
+    (1, 1, 1, 1, 1, 8, 8),
+    (2, 2, 2, 37, 29, 16, 16),
+    (1, 4, 2, 70, 45, 40, 72),
+    (1, 2, 1, 33, 80, 128, 128),
+    (1, 1, 1, 20, 35, 256, 160),
+]
+
+
+def _err(a, ref):
+    return (a.double() - ref.double()).abs().max().item() if a.numel() else 0.0
+
+
+def references(q, k, v, go=None, mask=None, **kw):
+    """Output and (given go) gradients of q, k, v (and a floating mask) from
+    the float64 reference and from plain eager PyTorch in the inputs' dtype."""
+    result = []
+    for dtype in (torch.float64, q.dtype):
+        xs = [x.to(dtype).requires_grad_(go is not None) for x in (q, k, v)]
+        m = mask
+        if mask is not None and mask.dtype != torch.bool:
+            m = mask.to(dtype).requires_grad_(go is not None)
+        out = R.attention(*xs, attn_mask=m, compute_dtype=dtype, **kw)
+        grads = []
+        if go is not None:
+            wrt = xs + ([m] if m is not None and m.dtype != torch.bool else [])
+            grads = list(torch.autograd.grad(out, wrt, go.to(dtype)))
+        result.append((out.detach(), grads))
+    return result
+
+
+def assert_like_cpu(ours, cpu, ref, eager, dtype):
+    """float64 / float32: equal to the CPU backend up to rounding. half /
+    bfloat16: error against the float64 reference at most twice the larger of
+    the CPU backend's and plain eager PyTorch's in the same dtype (the CUDA
+    path rounds P and dS to the input dtype before their products, as
+    FlashAttention does; the CPU backend keeps them in float)."""
+    assert ours.shape == cpu.shape and ours.dtype == cpu.dtype
+    if dtype == torch.float64:
+        torch.testing.assert_close(ours, cpu, rtol=1e-12, atol=1e-12)
+    elif dtype == torch.float32:
+        torch.testing.assert_close(ours, cpu, rtol=2e-5, atol=2e-5)
+    else:
+        bound = 2.0 * max(_err(cpu, ref), _err(eager, ref)) + 1e-6
+        assert _err(ours, ref) <= bound, (_err(ours, ref), _err(cpu, ref), _err(eager, ref))
+
+
+def assert_all_like_cpu(ours, cpu, refs, dtype):
+    (ref_out, ref_grads), (eager_out, eager_grads) = refs
+    if ref_grads:
+        for a, c, r, e in zip(ours, cpu, ref_grads, eager_grads):
+            assert_like_cpu(a, c, r, e, dtype)
+    else:
+        assert_like_cpu(ours, cpu, ref_out, eager_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_emul_forward_matches_cpu(emul, dtype, shape, is_causal):
+    q, k, v = make(shape, dtype)
+    gqa = shape[1] != shape[2]
+    out, lse, _ = emul.attention(q, k, v, None, 0.0, is_causal, None, gqa)
+    cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.0, is_causal, None, gqa)
+    assert_all_like_cpu(out, cpu_out, references(q, k, v, is_causal=is_causal, enable_gqa=gqa), dtype)
+    assert lse.dtype == cpu_lse.dtype
+    torch.testing.assert_close(lse, cpu_lse, rtol=1e-5 if dtype != torch.float64 else 1e-12, atol=1e-5)
+
+
+def _backward(ops, q, k, v, out, lse, go, mask=None, dropout_p=0.0, is_causal=False, scale=None, gqa=False,
+              rng=NO_RNG, mask_grad=False):
+    return ops.attention_backward(go, q, k, v, out, lse, mask, dropout_p, is_causal, scale, gqa, rng, mask_grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_emul_backward_matches_cpu(emul, dtype, shape, is_causal, deterministic):
+    q, k, v = make(shape, dtype)
+    gqa = shape[1] != shape[2]
+    out, lse, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.0, is_causal, None, gqa)
+    go = torch.randn_like(out)
+    cpu = _backward(torch.ops.mha_ext, q, k, v, out, lse, go, is_causal=is_causal, gqa=gqa)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        ours = _backward(emul, q, k, v, out, lse, go, is_causal=is_causal, gqa=gqa)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert_all_like_cpu(ours[:3], cpu[:3], references(q, k, v, go, is_causal=is_causal, enable_gqa=gqa), dtype)
+    assert ours[3].numel() == 0
+
+
+def _mask_cases(L, S, hq):
+    g = torch.Generator().manual_seed(1)
+    bool2 = torch.rand(L, S, generator=g) > 0.3
+    bool2[3] = False  # a fully masked row
+    float4 = torch.randn(1, hq, L, S, generator=g, dtype=torch.float64)
+    float4[0, 0, 5] = float("-inf")  # a fully masked row in head 0
+    return {"bool_2d": bool2, "bool_4d_broadcast": bool2[None, None].expand(2, 1, L, S),
+            "float_4d": float4, "float_row_broadcast": torch.randn(S, dtype=torch.float64)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+@pytest.mark.parametrize("mask_name", ["bool_2d", "bool_4d_broadcast", "float_4d", "float_row_broadcast"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_emul_masks_and_mask_grad(emul, dtype, mask_name, is_causal):
+    shape = (2, 2, 2, 24, 40, 32, 32)
+    q, k, v = make(shape, dtype)
+    mask = _mask_cases(24, 40, 2)[mask_name]
+    if mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    want_grad = mask.dtype != torch.bool
+    out, lse, _ = emul.attention(q, k, v, mask, 0.0, is_causal, 0.3)
+    cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, mask, 0.0, is_causal, 0.3)
+    assert_all_like_cpu(out, cpu_out, references(q, k, v, mask=mask, is_causal=is_causal, scale=0.3), dtype)
+    torch.testing.assert_close(lse, cpu_lse, rtol=1e-5, atol=1e-5)
+    go = torch.randn_like(out)
+    ours = _backward(emul, q, k, v, cpu_out, cpu_lse, go, mask, is_causal=is_causal, scale=0.3, mask_grad=want_grad)
+    cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, mask, is_causal=is_causal, scale=0.3,
+                    mask_grad=want_grad)
+    refs = references(q, k, v, go, mask=mask, is_causal=is_causal, scale=0.3)
+    assert_all_like_cpu(ours if want_grad else ours[:3], cpu if want_grad else cpu[:3], refs, dtype)
+    if want_grad:
+        assert ours[3].shape == mask.shape
+
+
+def test_emul_dropout_mask_is_bit_identical_to_cpu(emul):
+    # q = 0 makes every probability 1 / S; v = I (Ev = S) makes out[i, j] =
+    # keep(i, j) / ((1 - p) S): the output spells out the kept elements.
+    n, h, L, S, p = 2, 3, 21, 48, 0.3
+    q = torch.zeros(n, h, L, 16, dtype=torch.float64)
+    k = torch.randn(n, h, S, 16, dtype=torch.float64)
+    v = torch.eye(S, dtype=torch.float64).expand(n, h, S, S)
+    rng = torch.tensor([123456789123, 77], dtype=torch.long)
+    out, _, used = emul.attention(q, k, v, None, p, False, None, False, rng)
+    assert torch.equal(used, rng)
+    keep = torch.ops.mha_ext.dropout_mask(rng, [n, h, L, S], p)
+    assert torch.equal(out != 0, keep)
+    assert torch.equal(keep, R.dropout_keep(123456789123, 77, (n, h, L, S), p))
+    torch.testing.assert_close(out, keep.double() / ((1 - p) * S), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_emul_dropout_forward_and_backward_match_cpu(emul, dtype):
+    shape = (1, 4, 2, 50, 70, 64, 48)
+    q, k, v = make(shape, dtype)
+    rng = torch.tensor([987654321, 4242], dtype=torch.long)
+    out, lse, _ = emul.attention(q, k, v, None, 0.2, True, None, True, rng)
+    cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.2, True, None, True, rng)
+    keep = R.dropout_keep(987654321, 4242, (1, 4, 50, 70), 0.2)
+    kw = dict(is_causal=True, enable_gqa=True, keep=keep, dropout_p=0.2)
+    assert_all_like_cpu(out, cpu_out, references(q, k, v, **kw), dtype)
+    go = torch.randn_like(out)
+    ours = _backward(emul, q, k, v, cpu_out, cpu_lse, go, None, 0.2, True, None, True, rng)
+    cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, None, 0.2, True, None, True, rng)
+    assert_all_like_cpu(ours[:3], cpu[:3], references(q, k, v, go, **kw), dtype)
+
+
+def test_emul_strided_and_batched_inputs(emul):
+    # (N1, N2, L, H, E) transposed to (N1, N2, H, L, E); key/value expanded over N2
+    q = torch.randn(2, 3, 19, 2, 24, dtype=torch.float64).transpose(-3, -2)
+    k = torch.randn(2, 1, 2, 27, 24, dtype=torch.float64).expand(2, 3, 2, 27, 24)
+    v = torch.randn(2, 1, 27, 2, 40, dtype=torch.float64).transpose(-3, -2).expand(2, 3, 2, 27, 40)
+    out, lse, _ = emul.attention(q, k, v)
+    cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v)
+    torch.testing.assert_close(out, cpu_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, cpu_lse, rtol=1e-12, atol=1e-12)
+    go = torch.randn_like(out).transpose(-2, -1).contiguous().transpose(-2, -1)
+    ours = _backward(emul, q, k, v, out, lse, go)
+    cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go)
+    for a, c in zip(ours[:3], cpu[:3]):
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_emul_hostile_inputs(emul, dtype):
+    # huge logits stay finite; a fully masked row gives 0 and no gradient; a
+    # NaN in one query row makes that row (only) NaN
+    n, h, L, S, E = 1, 2, 18, 33, 16
+    q = (torch.randn(n, h, L, E) * 300).to(dtype)
+    k, v = torch.randn(n, h, S, E).to(dtype), torch.randn(n, h, S, E).to(dtype)
+    q[0, 1, 7, 3] = float("nan")
+    mask = torch.ones(L, S, dtype=torch.bool)
+    mask[4] = False
+    out, lse, _ = emul.attention(q, k, v, mask)
+    cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, mask)
+    nan_rows = torch.zeros(n, h, L, dtype=torch.bool)
+    nan_rows[0, 1, 7] = True
+    assert torch.isnan(out).any(-1).equal(nan_rows) and torch.isnan(lse).equal(nan_rows)
+    assert torch.equal(out[:, :, 4], torch.zeros_like(out[:, :, 4]))
+    assert torch.isneginf(lse[:, :, 4]).all()
+    fin = ~nan_rows
+    torch.testing.assert_close(out[fin].float(), cpu_out[fin].float(), rtol=2e-2, atol=2e-2)
+    go = torch.randn_like(out)
+    q_ok = q.clone()
+    q_ok[0, 1, 7, 3] = 0
+    o2, l2, _ = torch.ops.mha_ext.attention(q_ok, k, v, mask)
+    ours = _backward(emul, q_ok, k, v, o2, l2, go, mask)
+    cpu = _backward(torch.ops.mha_ext, q_ok, k, v, o2, l2, go, mask)
+    assert torch.equal(ours[0][:, :, 4], torch.zeros_like(ours[0][:, :, 4]))
+    for a, c in zip(ours[:3], cpu[:3]):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.float(), c.float(), rtol=5e-2, atol=5e-2 * c.abs().max().item())
+
+
+@pytest.mark.parametrize("sizes", [(0, 5, 5), (1, 0, 5), (1, 5, 0)])
+def test_emul_empty_inputs(emul, sizes):
+    n, L, S = sizes
+    q = torch.randn(n, 2, L, 8, dtype=torch.float64, requires_grad=False)
+    k, v = torch.randn(n, 2, S, 8, dtype=torch.float64), torch.randn(n, 2, S, 6, dtype=torch.float64)
+    out, lse, _ = emul.attention(q, k, v)
+    cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v)
+    assert torch.equal(out, cpu_out) and torch.equal(lse, cpu_lse)
+    go = torch.randn_like(out)
+    ours = _backward(emul, q, k, v, out, lse, go)
+    cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go)
+    for a, c in zip(ours[:3], cpu[:3]):
+        assert torch.equal(a, c)
+
+
+def test_emul_head_dim_limit_is_a_clear_error(emul):
+    q = torch.randn(1, 1, 4, 264)
+    with pytest.raises(RuntimeError, match=r"head dims up to 256, got E = 264, Ev = 264"):
+        emul.attention(q, q, q)
+
+
+def test_emul_device_code_reaches_hardware_only_through_simt():
+    """What the emulation runs is what nvcc compiles: the attention device
+    code touches no CUDA built-in except through simt.h / mma.h."""
+    banned = ["__syncthreads", "__shfl", "threadIdx", "blockIdx", "atomicAdd", "__ballot", "extern __shared__"]
+    for path in glob.glob(os.path.join(ROOT, "csrc", "cuda", "attention_*.h")):
+        text = open(path).read()
+        for word in banned:
+            assert word not in text, f"{os.path.basename(path)} uses {word} directly"
