@@ -9,11 +9,17 @@ import glob
 import os
 import shutil
 
-import torch
-from setuptools import setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
-
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# torch finds the toolkit from CUDA_HOME, else from `which nvcc`; where nvcc is
+# a wrapper in /usr/local/bin that would name /usr/local, point at the
+# toolkit itself.
+if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+import torch  # noqa: E402
+from setuptools import setup  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 
 def _sources(pattern):
@@ -48,10 +54,15 @@ link_flags = ["-fopenmp"]
 if with_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     print(f"mha_ext: TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}", flush=True)
+    # One .cu holds every kernel instantiation (csrc/cuda/launch.h counts
+    # them); --threads compiles its architectures in parallel.
+    nvcc_flags = ["-O3", "-std=c++20", "--threads", os.environ.get("MAX_JOBS", "2")]
+    if os.environ.get("MHA_EXT_PTXAS_VERBOSE", "") == "1":  # registers, shared memory and spills per kernel
+        nvcc_flags.append("-Xptxas=-v")
     ext = CUDAExtension(
         "mha_ext._C",
         cpp_sources + cuda_sources,
-        extra_compile_args={"cxx": cxx_flags + ["-DMHA_EXT_WITH_CUDA"], "nvcc": ["-O3", "-DMHA_EXT_WITH_CUDA"]},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
         extra_link_args=link_flags,
     )
 else:

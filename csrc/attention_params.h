@@ -11,6 +11,8 @@
 //   mask (B, Hq,  L, S)   broadcast strides (0 where the user's mask has size 1)
 #pragma once
 
+#include "host_device.h"
+
 #include <cstdint>
 
 namespace mha_ext {
@@ -30,7 +32,7 @@ struct DropoutParams {
   uint32_t drop_threshold = 0;    // floor(p * 2^32): draws below it are dropped
   uint64_t seed = 0;
   uint64_t offset = 0;
-  bool enabled() const { return p > 0.0; }
+  MHA_HOST_DEVICE bool enabled() const { return p > 0.0; }
 };
 
 struct AttentionFwdParams {
@@ -51,7 +53,7 @@ struct AttentionFwdParams {
   DropoutParams dropout;
 
   // query head h reads key/value head h / group_size
-  int64_t group_size() const { return heads_q / heads_kv; }
+  MHA_HOST_DEVICE int64_t group_size() const { return heads_q / heads_kv; }
 };
 
 struct AttentionBwdParams : AttentionFwdParams {

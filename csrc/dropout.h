@@ -11,13 +11,9 @@
 // CUDA kernel computing the same words drops the same elements.
 #pragma once
 
-#include <cstdint>
+#include "host_device.h"
 
-#if defined(__CUDACC__)
-#define MHA_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define MHA_HOST_DEVICE inline
-#endif
+#include <cstdint>
 
 namespace mha_ext {
 

@@ -1,11 +1,13 @@
-"""The CUDA kernels, run without a GPU: tests/emul/attention_emul.cpp compiles
-the CUDA backend (csrc/cuda: host functions, launchers and the device code of
-attention_kernels.h) against the CPU emulation of the CUDA primitives
-(csrc/cuda/simt_emul.h: 32-lane warps, real block and warp barriers, shared
-memory per block, the documented mma.sync m16n8k16 register layout) and
-registers it as torch.ops.mha_ext_emul.*. Every test holds it to the CPU
-backend (torch.ops.mha_ext.*) and, for the low-precision dtypes, to the
-float64 reference. Dropout masks must agree bit for bit."""
+"""The CUDA backend, held to the CPU backend (torch.ops.mha_ext.* on CPU
+tensors) and, for half and bfloat16, to the float64 reference; dropout masks
+must agree bit for bit. Each test runs on two backends:
+
+- emul: tests/emul/attention_emul.cpp compiles the CUDA backend (csrc/cuda:
+  host functions, launchers and the device code of attention_kernels.h)
+  against the CPU emulation of the CUDA primitives (csrc/cuda/simt_emul.h:
+  32-lane warps, real block and warp barriers, shared memory per block, the
+  documented mma.sync m16n8k16 register layout) as torch.ops.mha_ext_emul.*;
+- cuda: the real CUDA kernels on a GPU (skipped without one)."""
 import glob
 import hashlib
 import os
@@ -21,8 +23,7 @@ DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 NO_RNG = torch.zeros(2, dtype=torch.long)
 
 
-@pytest.fixture(scope="module")
-def emul():
+def _load_emulation():
     from torch.utils.cpp_extension import load
 
     build = os.path.join(ROOT, "build", "emul_ext")
@@ -38,6 +39,29 @@ def emul():
                        f"-DMHA_EMUL_HEADERS={digest.hexdigest()[:12]}"],
          build_directory=build, is_python_module=False, verbose=False)
     return torch.ops.mha_ext_emul
+
+
+class OnCuda:
+    """torch.ops.mha_ext on the GPU, with CPU tensors in and out (rng_state,
+    a CPU tensor by contract, stays where it is)."""
+
+    @staticmethod
+    def _call(op, rng_index, args):
+        moved = [a.cuda() if isinstance(a, torch.Tensor) and i != rng_index else a for i, a in enumerate(args)]
+        return tuple(r.cpu() for r in op(*moved))
+
+    def attention(self, *args):
+        return self._call(torch.ops.mha_ext.attention, 8, args)
+
+    def attention_backward(self, *args):
+        return self._call(torch.ops.mha_ext.attention_backward, 11, args)
+
+
+@pytest.fixture(scope="module", params=[
+    "emul", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def backend(request):
+    """The CUDA backend under test: emulated on the CPU, or on a GPU."""
+    return _load_emulation() if request.param == "emul" else OnCuda()
 
 
 def make(shape, dtype, scale=1.0):
@@ -110,10 +134,10 @@ def assert_all_like_cpu(ours, cpu, refs, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_emul_forward_matches_cpu(emul, dtype, shape, is_causal):
+def test_emul_forward_matches_cpu(backend, dtype, shape, is_causal):
     q, k, v = make(shape, dtype)
     gqa = shape[1] != shape[2]
-    out, lse, _ = emul.attention(q, k, v, None, 0.0, is_causal, None, gqa)
+    out, lse, _ = backend.attention(q, k, v, None, 0.0, is_causal, None, gqa)
     cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.0, is_causal, None, gqa)
     assert_all_like_cpu(out, cpu_out, references(q, k, v, is_causal=is_causal, enable_gqa=gqa), dtype)
     assert lse.dtype == cpu_lse.dtype
@@ -129,7 +153,7 @@ def _backward(ops, q, k, v, out, lse, go, mask=None, dropout_p=0.0, is_causal=Fa
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_emul_backward_matches_cpu(emul, dtype, shape, is_causal, deterministic):
+def test_emul_backward_matches_cpu(backend, dtype, shape, is_causal, deterministic):
     q, k, v = make(shape, dtype)
     gqa = shape[1] != shape[2]
     out, lse, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.0, is_causal, None, gqa)
@@ -138,7 +162,7 @@ def test_emul_backward_matches_cpu(emul, dtype, shape, is_causal, deterministic)
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:
-        ours = _backward(emul, q, k, v, out, lse, go, is_causal=is_causal, gqa=gqa)
+        ours = _backward(backend, q, k, v, out, lse, go, is_causal=is_causal, gqa=gqa)
     finally:
         torch.use_deterministic_algorithms(before)
     assert_all_like_cpu(ours[:3], cpu[:3], references(q, k, v, go, is_causal=is_causal, enable_gqa=gqa), dtype)
@@ -158,19 +182,19 @@ def _mask_cases(L, S, hq):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
 @pytest.mark.parametrize("mask_name", ["bool_2d", "bool_4d_broadcast", "float_4d", "float_row_broadcast"])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_emul_masks_and_mask_grad(emul, dtype, mask_name, is_causal):
+def test_emul_masks_and_mask_grad(backend, dtype, mask_name, is_causal):
     shape = (2, 2, 2, 24, 40, 32, 32)
     q, k, v = make(shape, dtype)
     mask = _mask_cases(24, 40, 2)[mask_name]
     if mask.dtype != torch.bool:
         mask = mask.to(dtype)
     want_grad = mask.dtype != torch.bool
-    out, lse, _ = emul.attention(q, k, v, mask, 0.0, is_causal, 0.3)
+    out, lse, _ = backend.attention(q, k, v, mask, 0.0, is_causal, 0.3)
     cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, mask, 0.0, is_causal, 0.3)
     assert_all_like_cpu(out, cpu_out, references(q, k, v, mask=mask, is_causal=is_causal, scale=0.3), dtype)
     torch.testing.assert_close(lse, cpu_lse, rtol=1e-5, atol=1e-5)
     go = torch.randn_like(out)
-    ours = _backward(emul, q, k, v, cpu_out, cpu_lse, go, mask, is_causal=is_causal, scale=0.3, mask_grad=want_grad)
+    ours = _backward(backend, q, k, v, cpu_out, cpu_lse, go, mask, is_causal=is_causal, scale=0.3, mask_grad=want_grad)
     cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, mask, is_causal=is_causal, scale=0.3,
                     mask_grad=want_grad)
     refs = references(q, k, v, go, mask=mask, is_causal=is_causal, scale=0.3)
@@ -179,7 +203,7 @@ def test_emul_masks_and_mask_grad(emul, dtype, mask_name, is_causal):
         assert ours[3].shape == mask.shape
 
 
-def test_emul_dropout_mask_is_bit_identical_to_cpu(emul):
+def test_emul_dropout_mask_is_bit_identical_to_cpu(backend):
     # q = 0 makes every probability 1 / S; v = I (Ev = S) makes out[i, j] =
     # keep(i, j) / ((1 - p) S): the output spells out the kept elements.
     n, h, L, S, p = 2, 3, 21, 48, 0.3
@@ -187,7 +211,7 @@ def test_emul_dropout_mask_is_bit_identical_to_cpu(emul):
     k = torch.randn(n, h, S, 16, dtype=torch.float64)
     v = torch.eye(S, dtype=torch.float64).expand(n, h, S, S)
     rng = torch.tensor([123456789123, 77], dtype=torch.long)
-    out, _, used = emul.attention(q, k, v, None, p, False, None, False, rng)
+    out, _, used = backend.attention(q, k, v, None, p, False, None, False, rng)
     assert torch.equal(used, rng)
     keep = torch.ops.mha_ext.dropout_mask(rng, [n, h, L, S], p)
     assert torch.equal(out != 0, keep)
@@ -196,39 +220,39 @@ def test_emul_dropout_mask_is_bit_identical_to_cpu(emul):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_emul_dropout_forward_and_backward_match_cpu(emul, dtype):
+def test_emul_dropout_forward_and_backward_match_cpu(backend, dtype):
     shape = (1, 4, 2, 50, 70, 64, 48)
     q, k, v = make(shape, dtype)
     rng = torch.tensor([987654321, 4242], dtype=torch.long)
-    out, lse, _ = emul.attention(q, k, v, None, 0.2, True, None, True, rng)
+    out, lse, _ = backend.attention(q, k, v, None, 0.2, True, None, True, rng)
     cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.2, True, None, True, rng)
     keep = R.dropout_keep(987654321, 4242, (1, 4, 50, 70), 0.2)
     kw = dict(is_causal=True, enable_gqa=True, keep=keep, dropout_p=0.2)
     assert_all_like_cpu(out, cpu_out, references(q, k, v, **kw), dtype)
     go = torch.randn_like(out)
-    ours = _backward(emul, q, k, v, cpu_out, cpu_lse, go, None, 0.2, True, None, True, rng)
+    ours = _backward(backend, q, k, v, cpu_out, cpu_lse, go, None, 0.2, True, None, True, rng)
     cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, None, 0.2, True, None, True, rng)
     assert_all_like_cpu(ours[:3], cpu[:3], references(q, k, v, go, **kw), dtype)
 
 
-def test_emul_strided_and_batched_inputs(emul):
+def test_emul_strided_and_batched_inputs(backend):
     # (N1, N2, L, H, E) transposed to (N1, N2, H, L, E); key/value expanded over N2
     q = torch.randn(2, 3, 19, 2, 24, dtype=torch.float64).transpose(-3, -2)
     k = torch.randn(2, 1, 2, 27, 24, dtype=torch.float64).expand(2, 3, 2, 27, 24)
     v = torch.randn(2, 1, 27, 2, 40, dtype=torch.float64).transpose(-3, -2).expand(2, 3, 2, 27, 40)
-    out, lse, _ = emul.attention(q, k, v)
+    out, lse, _ = backend.attention(q, k, v)
     cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v)
     torch.testing.assert_close(out, cpu_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, cpu_lse, rtol=1e-12, atol=1e-12)
     go = torch.randn_like(out).transpose(-2, -1).contiguous().transpose(-2, -1)
-    ours = _backward(emul, q, k, v, out, lse, go)
+    ours = _backward(backend, q, k, v, out, lse, go)
     cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go)
     for a, c in zip(ours[:3], cpu[:3]):
         torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_emul_hostile_inputs(emul, dtype):
+def test_emul_hostile_inputs(backend, dtype):
     # huge logits stay finite; a fully masked row gives 0 and no gradient; a
     # NaN in one query row makes that row (only) NaN
     n, h, L, S, E = 1, 2, 18, 33, 16
@@ -237,7 +261,7 @@ def test_emul_hostile_inputs(emul, dtype):
     q[0, 1, 7, 3] = float("nan")
     mask = torch.ones(L, S, dtype=torch.bool)
     mask[4] = False
-    out, lse, _ = emul.attention(q, k, v, mask)
+    out, lse, _ = backend.attention(q, k, v, mask)
     cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, mask)
     nan_rows = torch.zeros(n, h, L, dtype=torch.bool)
     nan_rows[0, 1, 7] = True
@@ -250,7 +274,7 @@ def test_emul_hostile_inputs(emul, dtype):
     q_ok = q.clone()
     q_ok[0, 1, 7, 3] = 0
     o2, l2, _ = torch.ops.mha_ext.attention(q_ok, k, v, mask)
-    ours = _backward(emul, q_ok, k, v, o2, l2, go, mask)
+    ours = _backward(backend, q_ok, k, v, o2, l2, go, mask)
     cpu = _backward(torch.ops.mha_ext, q_ok, k, v, o2, l2, go, mask)
     assert torch.equal(ours[0][:, :, 4], torch.zeros_like(ours[0][:, :, 4]))
     for a, c in zip(ours[:3], cpu[:3]):
@@ -259,24 +283,51 @@ def test_emul_hostile_inputs(emul, dtype):
 
 
 @pytest.mark.parametrize("sizes", [(0, 5, 5), (1, 0, 5), (1, 5, 0)])
-def test_emul_empty_inputs(emul, sizes):
+def test_emul_empty_inputs(backend, sizes):
     n, L, S = sizes
     q = torch.randn(n, 2, L, 8, dtype=torch.float64, requires_grad=False)
     k, v = torch.randn(n, 2, S, 8, dtype=torch.float64), torch.randn(n, 2, S, 6, dtype=torch.float64)
-    out, lse, _ = emul.attention(q, k, v)
+    out, lse, _ = backend.attention(q, k, v)
     cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v)
     assert torch.equal(out, cpu_out) and torch.equal(lse, cpu_lse)
     go = torch.randn_like(out)
-    ours = _backward(emul, q, k, v, out, lse, go)
+    ours = _backward(backend, q, k, v, out, lse, go)
     cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go)
     for a, c in zip(ours[:3], cpu[:3]):
         assert torch.equal(a, c)
 
 
-def test_emul_head_dim_limit_is_a_clear_error(emul):
+class _Attention(torch.autograd.Function):
+    """Forward and backward of a backend under test, for gradcheck."""
+
+    @staticmethod
+    def forward(ctx, ops, q, k, v, mask, is_causal):
+        out, lse, rng = ops.attention(q, k, v, mask, 0.0, is_causal)
+        ctx.ops, ctx.is_causal = ops, is_causal
+        ctx.save_for_backward(q, k, v, out, lse, rng, mask)
+        return out
+
+    @staticmethod
+    def backward(ctx, go):
+        q, k, v, out, lse, rng, mask = ctx.saved_tensors
+        gq, gk, gv, gm = ctx.ops.attention_backward(go.contiguous(), q, k, v, out, lse, mask, 0.0, ctx.is_causal,
+                                                     None, False, rng, mask.requires_grad)
+        return None, gq, gk, gv, gm if mask.requires_grad else None, None
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_emul_gradcheck_float64(backend, is_causal):
+    q = torch.randn(1, 2, 9, 12, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 11, 12, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 11, 10, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(9, 11, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *x: _Attention.apply(backend, *x, is_causal), (q, k, v, mask))
+
+
+def test_emul_head_dim_limit_is_a_clear_error(backend):
     q = torch.randn(1, 1, 4, 264)
     with pytest.raises(RuntimeError, match=r"head dims up to 256, got E = 264, Ev = 264"):
-        emul.attention(q, q, q)
+        backend.attention(q, q, q)
 
 
 def test_emul_device_code_reaches_hardware_only_through_simt():

@@ -19,7 +19,7 @@
 #include <tuple>
 
 #if defined(__CUDACC__)
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/detail/UnpackRaw.cuh>
 #include <c10/cuda/CUDAException.h>
@@ -54,7 +54,7 @@ inline void check_device_limits(const AttentionShape& s) {
 
 inline simt::Stream current_stream(const at::Tensor& t) {
 #if defined(__CUDACC__)
-  return at::cuda::getCurrentCUDAStream(t.device().index()).stream();
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 #else
   (void)t;
   return nullptr;

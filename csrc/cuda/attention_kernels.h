@@ -41,10 +41,17 @@ struct TileConfig {
   static constexpr int kFwdWarps = kElem == 2 ? 4 : (kElem == 4 ? (kHeadDim <= 64 ? 4 : 2) : (kHeadDim <= 64 ? 2 : 1));
   static constexpr int kFwdBlockN =
       kElem == 2 ? (kHeadDim <= 128 ? 64 : 32) : (kElem == 4 ? (kHeadDim <= 128 ? 32 : 16) : 16);
-  // backward: key rows per block = query rows per tile (16 per warp)
-  static constexpr int kBwdWarps = kElem == 2 ? (kHeadDim <= 128 ? 4 : 2) : (kElem == 4 ? (kHeadDim <= 128 ? 2 : 1) : 1);
+  // backward: key rows per block = query rows per tile, 16 per row warp;
+  // kBwdColSplit warps share each 16 rows, each holding dK / dV (and
+  // computing dQ) for 1 / kBwdColSplit of the head dim, so that the
+  // accumulators fit in registers (registers and spills: README, "CUDA").
+  static constexpr int kBwdRowWarps = kElem == 2 ? (kHeadDim <= 128 ? 4 : 2) : (kElem == 4 ? (kHeadDim <= 128 ? 2 : 1) : 1);
+  static constexpr int kBwdColSplit = kElem == 2 ? (kHeadDim <= 64 ? 1 : 2)
+                                      : kElem == 4 ? (kHeadDim <= 64 ? 2 : 4)
+                                                   : (kHeadDim <= 64 ? 2 : kHeadDim <= 128 ? 4 : 8);
+  static constexpr int kBwdWarps = kBwdRowWarps * kBwdColSplit;
   static constexpr int kFwdBlockM = 16 * kFwdWarps;
-  static constexpr int kBwdBlock = 16 * kBwdWarps;
+  static constexpr int kBwdBlock = 16 * kBwdRowWarps;
   // row padding of the shared tiles: 16 bytes, so rows start in other banks
   static constexpr int kPad = 16 / kElem;
   static constexpr int kLd = kHeadDim + kPad;  // Q/K/V/dO tile row stride
@@ -80,14 +87,18 @@ MHA_UNROLL
       }
     }
   } else {
+    // CUDA cores: rank-1 updates over k, the accumulators in the C layout
+    // (each element still sums k = 0 .. K - 1 in order).
+    const int r0 = MmaLayout::c_row(lane, 0), r1 = MmaLayout::c_row(lane, 2), c = MmaLayout::c_col(lane, 0);
+    for (int k = 0; k < K; ++k) {
+      const A a0 = static_cast<A>(a.at(r0, k)), a1 = static_cast<A>(a.at(r1, k));
 MHA_UNROLL
-    for (int nt = 0; nt < NT; ++nt) {
-MHA_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        const int r = MmaLayout::c_row(lane, e), c = 8 * nt + MmaLayout::c_col(lane, e);
-        A s = acc[nt][e];
-        for (int k = 0; k < K; ++k) s += static_cast<A>(a.at(r, k)) * static_cast<A>(b.at(k, c));
-        acc[nt][e] = s;
+      for (int nt = 0; nt < NT; ++nt) {
+        const A b0 = static_cast<A>(b.at(k, 8 * nt + c)), b1 = static_cast<A>(b.at(k, 8 * nt + c + 1));
+        acc[nt][0] += a0 * b0;
+        acc[nt][1] += a0 * b1;
+        acc[nt][2] += a1 * b0;
+        acc[nt][3] += a1 * b1;
       }
     }
   }
@@ -314,13 +325,16 @@ MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams p) {
 }
 
 // Key-block kernel. Shared: K, V, Q, dO (kB x kLd), P^T / dS^T (kB x kLdP),
-// lse and D of the query tile (kB each, accumulation type).
+// lse and D of the query tile (kB each, accumulation type). Warp w owns key
+// rows 16 (w % kRowWarps) .. of the block and the head-dim columns
+// [c_base, c_base + kCols) for dK, dV and dQ.
 template <typename T, int kHeadDim>
 MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams p) {
   using A = typename AccOf<T>::type;
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = kB + Cfg::kPad;
-  constexpr int kNT = kB / 8, kOT = kHeadDim / 8, kChunk = 4;  // dQ in 32-column chunks
+  constexpr int kRowWarps = Cfg::kBwdRowWarps, kSplit = Cfg::kBwdColSplit, kCols = kHeadDim / kSplit;
+  constexpr int kNT = kB / 8, kCT = kCols / 8, kChunk = 4;  // dQ in 32-column chunks
   T* k_s = dynamic_shared<T>();
   T* v_s = k_s + kB * kLd;
   T* q_s = v_s + kB * kLd;
@@ -330,6 +344,8 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams p) {
   A* d_s = lse_s + kB;
 
   const int tid = static_cast<int>(thread_idx().x), lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int row0 = (warp % kRowWarps) * 16, c_base = (warp / kRowWarps) * kCols;
+  const bool writer = c_base == 0;  // computes P^T and dS^T of its rows into t_s
   const int64_t bh = block_idx().x, b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
   const int64_t j0 = static_cast<int64_t>(block_idx().y) * kB;
   const int64_t L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
@@ -343,8 +359,17 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams p) {
   const A* lse_g = static_cast<const A*>(p.lse) + bh * L;
   const A* d_g = static_cast<const A*>(p.row_dot) + bh * L;
   A* dq_g = static_cast<A*>(p.grad_q_accum);
+  // The warps sharing rows exchange P^T / dS^T through t_s: a block barrier
+  // when there are several, a warp barrier otherwise.
+  auto sync_tile = [] {
+    if constexpr (kSplit > 1) {
+      sync_threads();
+    } else {
+      sync_warp();
+    }
+  };
 
-  A dk[kOT][4], dv[kOT][4];
+  A dk[kCT][4], dv[kCT][4];
   zero(dk);
   zero(dv);
 
@@ -360,46 +385,49 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams p) {
     sync_threads();
 
     // S^T and dP^T of the warp's 16 keys against the tile's queries
-    A st[kNT][4], dpt[kNT][4];
-    zero(st);
-    zero(dpt);
-    warp_mma<T>(st, Tile2<T>{k_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{q_s, 1, kLd}, kHeadDim, lane);
-    warp_mma<T>(dpt, Tile2<T>{v_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{do_s, 1, kLd}, kHeadDim, lane);
+    // (only by the first warp of those sharing the rows; the others read t_s)
+    A dst[kNT][4];
+    if (writer) {
+      A st[kNT][4];
+      zero(st);
+      zero(dst);
+      warp_mma<T>(st, Tile2<T>{k_s + row0 * kLd, kLd, 1}, Tile2<T>{q_s, 1, kLd}, kHeadDim, lane);
+      warp_mma<T>(dst, Tile2<T>{v_s + row0 * kLd, kLd, 1}, Tile2<T>{do_s, 1, kLd}, kHeadDim, lane);
 MHA_UNROLL
-    for (int t = 0; t < kNT; ++t)
+      for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        const int rj = warp * 16 + MmaLayout::c_row(lane, e), ci = 8 * t + MmaLayout::c_col(lane, e);
-        A prob, ds;
-        prob_and_grad<T>(p, b, h, i0 + ci, j0 + rj, st[t][e], dpt[t][e], lse_s[ci], d_s[ci],
-                         static_cast<A*>(p.grad_mask), prob, ds);
-        st[t][e] = prob;
-        dpt[t][e] = ds;
-        t_s[rj * kLdP + ci] = to_elem<T>(prob);
-      }
-    sync_warp();
-    warp_mma<T>(dv, Tile2<T>{t_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{do_s, kLd, 1}, kB, lane);  // dV += P^T dO
-    sync_warp();  // P^T read before dS^T overwrites it
+        for (int e = 0; e < 4; ++e) {
+          const int rj = row0 + MmaLayout::c_row(lane, e), ci = 8 * t + MmaLayout::c_col(lane, e);
+          A prob;
+          prob_and_grad<T>(p, b, h, i0 + ci, j0 + rj, st[t][e], dst[t][e], lse_s[ci], d_s[ci],
+                           static_cast<A*>(p.grad_mask), prob, dst[t][e]);
+          t_s[rj * kLdP + ci] = to_elem<T>(prob);
+        }
+    }
+    sync_tile();
+    warp_mma<T>(dv, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{do_s + c_base, kLd, 1}, kB, lane);  // dV += P^T dO
+    sync_tile();  // P^T read before dS^T overwrites it
+    if (writer)
 MHA_UNROLL
-    for (int t = 0; t < kNT; ++t)
+      for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
-      for (int e = 0; e < 4; ++e)
-        t_s[(warp * 16 + MmaLayout::c_row(lane, e)) * kLdP + 8 * t + MmaLayout::c_col(lane, e)] = to_elem<T>(dpt[t][e]);
-    sync_warp();
-    warp_mma<T>(dk, Tile2<T>{t_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{q_s, kLd, 1}, kB, lane);  // dK += dS^T Q
+        for (int e = 0; e < 4; ++e)
+          t_s[(row0 + MmaLayout::c_row(lane, e)) * kLdP + 8 * t + MmaLayout::c_col(lane, e)] = to_elem<T>(dst[t][e]);
+    sync_tile();
+    warp_mma<T>(dk, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane);  // dK += dS^T Q
 
     if (dq_g != nullptr) {
       sync_threads();  // every warp's dS^T rows are written
-      // dQ rows warp * 16 .. of the tile += dS K, in 32-column chunks
-      for (int c0 = 0; c0 < kHeadDim; c0 += 8 * kChunk) {
+      // dQ rows row0 .. of the tile, columns c_base .., += dS K in 32-column chunks
+      for (int c0 = c_base; c0 < c_base + kCols; c0 += 8 * kChunk) {
         A dqa[kChunk][4];
         zero(dqa);
-        warp_mma<T>(dqa, Tile2<T>{t_s + warp * 16, 1, kLdP}, Tile2<T>{k_s + c0, kLd, 1}, kB, lane);
+        warp_mma<T>(dqa, Tile2<T>{t_s + row0, 1, kLdP}, Tile2<T>{k_s + c0, kLd, 1}, kB, lane);
 MHA_UNROLL
         for (int t = 0; t < kChunk; ++t)
 MHA_UNROLL
           for (int e = 0; e < 4; ++e) {
-            const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, e);
+            const int64_t i = i0 + row0 + MmaLayout::c_row(lane, e);
             const int c = c0 + 8 * t + MmaLayout::c_col(lane, e);
             if (i < L && c < E)
               atomic_add(dq_g + (bh * L + i) * E + c, dqa[t][e] * static_cast<A>(p.scale));
@@ -412,24 +440,26 @@ MHA_UNROLL
   A* dk_g = static_cast<A*>(p.grad_k) + bh * S * E;
   A* dv_g = static_cast<A*>(p.grad_v) + bh * S * Ev;
 MHA_UNROLL
-  for (int t = 0; t < kOT; ++t)
+  for (int t = 0; t < kCT; ++t)
 MHA_UNROLL
     for (int e = 0; e < 4; ++e) {
-      const int64_t j = j0 + warp * 16 + MmaLayout::c_row(lane, e);
-      const int c = 8 * t + MmaLayout::c_col(lane, e);
+      const int64_t j = j0 + row0 + MmaLayout::c_row(lane, e);
+      const int c = c_base + 8 * t + MmaLayout::c_col(lane, e);
       if (j < S && c < E) dk_g[j * E + c] = dk[t][e] * static_cast<A>(p.scale);
       if (j < S && c < Ev) dv_g[j * Ev + c] = dv[t][e];
     }
 }
 
-// Deterministic dQ: grid (B * Hq, query blocks of kB rows), key tiles streamed.
+// Deterministic dQ: grid (B * Hq, query blocks of kB rows), key tiles
+// streamed; warps split rows and head-dim columns as in the key-block kernel.
 // Shared: Q, dO, K, V (kB x kLd), dS (kB x kLdP).
 template <typename T, int kHeadDim>
 MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams p) {
   using A = typename AccOf<T>::type;
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = kB + Cfg::kPad;
-  constexpr int kNT = kB / 8, kOT = kHeadDim / 8;
+  constexpr int kRowWarps = Cfg::kBwdRowWarps, kSplit = Cfg::kBwdColSplit, kCols = kHeadDim / kSplit;
+  constexpr int kNT = kB / 8, kCT = kCols / 8;
   T* q_s = dynamic_shared<T>();
   T* do_s = q_s + kB * kLd;
   T* k_s = do_s + kB * kLd;
@@ -437,6 +467,7 @@ MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams p) {
   T* t_s = v_s + kB * kLd;
 
   const int tid = static_cast<int>(thread_idx().x), lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int row0 = (warp % kRowWarps) * 16, c_base = (warp / kRowWarps) * kCols;
   const int64_t bh = block_idx().x, b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
   const int64_t i0 = static_cast<int64_t>(block_idx().y) * kB;
   const int64_t L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
@@ -450,12 +481,13 @@ MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams p) {
   A lse[2], dd[2];
 MHA_UNROLL
   for (int r = 0; r < 2; ++r) {
-    const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, 2 * r);
+    const int64_t i = i0 + row0 + MmaLayout::c_row(lane, 2 * r);
     lse[r] = i < L ? static_cast<const A*>(p.lse)[bh * L + i] : A(-INFINITY);
     dd[r] = i < L ? static_cast<const A*>(p.row_dot)[bh * L + i] : A(0);
   }
+  const bool writer = c_base == 0;
 
-  A dq[kOT][4];
+  A dq[kCT][4];
   zero(dq);
   const int64_t kv_end = p.is_causal ? (i0 + kB < S ? i0 + kB : S) : S;
   for (int64_t j0 = 0; j0 < kv_end; j0 += kB) {
@@ -463,33 +495,39 @@ MHA_UNROLL
     load_tile(k_s, kLd, kB, kHeadDim, k_g, p.k_stride.row, p.k_stride.col, j0, S, E);
     load_tile(v_s, kLd, kB, kHeadDim, v_g, p.v_stride.row, p.v_stride.col, j0, S, Ev);
     sync_threads();
-    A s[kNT][4], dp[kNT][4];
-    zero(s);
-    zero(dp);
-    warp_mma<T>(s, Tile2<T>{q_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane);
-    warp_mma<T>(dp, Tile2<T>{do_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{v_s, 1, kLd}, kHeadDim, lane);
+    if (writer) {  // dS of the rows, for every warp sharing them
+      A s[kNT][4], dp[kNT][4];
+      zero(s);
+      zero(dp);
+      warp_mma<T>(s, Tile2<T>{q_s + row0 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane);
+      warp_mma<T>(dp, Tile2<T>{do_s + row0 * kLd, kLd, 1}, Tile2<T>{v_s, 1, kLd}, kHeadDim, lane);
 MHA_UNROLL
-    for (int t = 0; t < kNT; ++t)
+      for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        const int ri = warp * 16 + MmaLayout::c_row(lane, e), cj = 8 * t + MmaLayout::c_col(lane, e);
-        A prob, ds;
-        // the key-block kernel writes the mask gradient
-        prob_and_grad<T>(p, b, h, i0 + ri, j0 + cj, s[t][e], dp[t][e], lse[e / 2], dd[e / 2],
-                         static_cast<A*>(nullptr), prob, ds);
-        t_s[ri * kLdP + cj] = to_elem<T>(ds);
-      }
-    sync_warp();
-    warp_mma<T>(dq, Tile2<T>{t_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{k_s, kLd, 1}, kB, lane);  // dQ += dS K
+        for (int e = 0; e < 4; ++e) {
+          const int ri = row0 + MmaLayout::c_row(lane, e), cj = 8 * t + MmaLayout::c_col(lane, e);
+          A prob, ds;
+          // the key-block kernel writes the mask gradient
+          prob_and_grad<T>(p, b, h, i0 + ri, j0 + cj, s[t][e], dp[t][e], lse[e / 2], dd[e / 2],
+                           static_cast<A*>(nullptr), prob, ds);
+          t_s[ri * kLdP + cj] = to_elem<T>(ds);
+        }
+    }
+    if constexpr (kSplit > 1) {
+      sync_threads();
+    } else {
+      sync_warp();
+    }
+    warp_mma<T>(dq, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{k_s + c_base, kLd, 1}, kB, lane);  // dQ += dS K
   }
 
   T* dq_g = static_cast<T*>(p.grad_q) + bh * L * E;
 MHA_UNROLL
-  for (int t = 0; t < kOT; ++t)
+  for (int t = 0; t < kCT; ++t)
 MHA_UNROLL
     for (int e = 0; e < 4; ++e) {
-      const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, e);
-      const int c = 8 * t + MmaLayout::c_col(lane, e);
+      const int64_t i = i0 + row0 + MmaLayout::c_row(lane, e);
+      const int c = c_base + 8 * t + MmaLayout::c_col(lane, e);
       if (i < L && c < E) dq_g[i * E + c] = to_elem<T>(dq[t][e] * static_cast<A>(p.scale));
     }
 }
