@@ -10,7 +10,9 @@ Tables (markdown, also written to bench/out/bench.md):
      forward and forward+backward, per heads x head_dim, L, case, dtype, threads;
   2. module: mha_ext.MultiheadAttention vs nn.MultiheadAttention (need_weights=False);
   3. ceiling: float32 forward GFLOP/s of mha_ext vs torch.mm on a large matmul;
-  4. memory: peak extra resident memory of forward+backward by L (O(L) vs O(L^2)).
+  4. memory: peak extra resident memory of forward+backward by L (O(L) vs O(L^2));
+  5. CUDA (only where a GPU is present): TFLOP/s of forward and forward+backward, mha_ext vs
+     F.scaled_dot_product_attention on the same GPU, float16 / bfloat16, and peak GPU memory.
 A PNG (bench/out/speedup.png) plots the speed-up against torch by L, one line per case.
 Attention FLOPs = 4 * B * H * L * S * E (forward), halved for causal; backward counted as 2.5x forward.
 """
@@ -121,6 +123,44 @@ def module_fns(case, B, H, L, E, dtype, backward):
     return [run(ours), run(ref)]
 
 
+def gpu_times(fns, reps, device):
+    """median_times for work queued on a GPU: each call waits for its kernels."""
+    def synced(fn):
+        def go():
+            fn()
+            torch.cuda.synchronize(device)
+        return go
+    return median_times([synced(fn) for fn in fns], reps)
+
+
+def device_section(device, dtypes, shapes, lengths, cases, reps, target_gflop, progress):
+    """Rows of TFLOP/s on `device` (a GPU when run from main) for mha_ext and torch, per case."""
+    rows = []
+    jobs = [(dt, H, E, L, c) for dt in dtypes for (H, E) in shapes for L in lengths for c in cases]
+    for dt, H, E, L, c in progress(jobs):
+        B = batch_for(H, L, E, target_gflop)
+        torch.manual_seed(0)
+        q, k, v, kw = make_inputs(c, B, H, L, E, dt, True)
+        q, k, v = (x.detach().to(device).requires_grad_() for x in (q, k, v))
+        if "attn_mask" in kw:
+            kw["attn_mask"] = kw["attn_mask"].to(device)
+        g = torch.randn(B, H, L, v.shape[-1], dtype=dt, device=device)
+        fns = []
+        for backward in (False, True):
+            for f in (mha_ext.scaled_dot_product_attention, F.scaled_dot_product_attention):
+                def go(f=f, backward=backward):
+                    out = f(q, k, v, **kw)
+                    if backward:
+                        torch.autograd.grad(out, (q, k, v), g)
+                fns.append(go)
+        times = gpu_times(fns, reps, device) if device.type == "cuda" else median_times(fns, reps)
+        tf = [attention_flops(c, B, H, L, E, i >= 2) / t / 1e12 for i, t in enumerate(times)]
+        rows.append([str(dt).replace("torch.", ""), f"{H}x{E}", L, B, c, f"{tf[0]:.1f}", f"{tf[1]:.1f}",
+                     f"{times[1] / times[0]:.2f}", f"{tf[2]:.1f}", f"{tf[3]:.1f}", f"{times[3] / times[2]:.2f}"])
+    return table(["dtype", "HxE", "L", "B", "case", "fwd TFLOP/s mha_ext", "fwd TFLOP/s torch", "fwd speed-up",
+                  "fwd+bwd TFLOP/s mha_ext", "fwd+bwd TFLOP/s torch", "fwd+bwd speed-up"], rows)
+
+
 def table(headers, rows):
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
@@ -143,6 +183,8 @@ def main():
     ap.add_argument("--target-gflop", type=float, default=1.0, help="forward work per case, picks the batch")
     ap.add_argument("--memory-lengths", default=None, help="default 1024,2048,4096,8192,16384")
     ap.add_argument("--no-module", action="store_true")
+    ap.add_argument("--no-cuda", action="store_true", help="skip the GPU tables even where a GPU is present")
+    ap.add_argument("--cuda-target-gflop", type=float, default=200.0, help="forward work per GPU case")
     ap.add_argument("--out", default=os.path.join(HERE, "out"))
     args = ap.parse_args()
     reexec_with_fixed_mmap_threshold()
@@ -250,6 +292,34 @@ def main():
     t4 = table(["L (B=1, 4x64)", "mha_ext (dropout 0.1) MiB", "torch fused MiB", "torch math (dropout 0.1) MiB"], rows)
     report += ["## Peak extra memory of forward+backward (inputs excluded)", "", t4, ""]
     print("\n".join(report[-4:]), flush=True)
+
+    # 5. CUDA
+    if torch.cuda.is_available() and not args.no_cuda:
+        device = torch.device("cuda")
+        name = torch.cuda.get_device_name(device)
+        t5 = device_section(device, [torch.float16, torch.bfloat16], shapes + [(8, 256)], lengths + [8192],
+                            ["plain", "causal", "dropout"], max(args.reps, 10), args.cuda_target_gflop,
+                            lambda jobs: tqdm(jobs, desc="cuda", unit="case", file=sys.stderr))
+        rows = []
+        for L in [int(x) for x in args.memory_lengths.split(",")]:
+            row = [L]
+            for f, kw in ((mha_ext.scaled_dot_product_attention, {"dropout_p": 0.1}),
+                          (F.scaled_dot_product_attention, {"dropout_p": 0.1})):
+                q, k, v = (torch.randn(1, 16, L, 64, dtype=torch.float16, device=device, requires_grad=True)
+                           for _ in range(3))
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+                out = f(q, k, v, **kw)
+                torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+                torch.cuda.synchronize(device)
+                row.append(f"{(torch.cuda.max_memory_allocated(device) - base) / 2**20:.1f}")
+                del q, k, v, out
+            rows.append(row)
+        t6 = table(["L (B=1, 16x64, float16)", "mha_ext (dropout 0.1) MiB", "torch (dropout 0.1) MiB"], rows)
+        report += [f"## CUDA: {name}", "speed-up = torch time / mha_ext time; FLOPs as above", "", t5, "",
+                   "Peak extra GPU memory of forward+backward (inputs excluded):", "", t6, ""]
+        print("\n".join(report[-8:]), flush=True)
 
     path = os.path.join(args.out, "bench.md")
     with open(path, "w") as fh:

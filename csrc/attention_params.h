@@ -32,7 +32,18 @@ struct DropoutParams {
   uint32_t drop_threshold = 0;    // floor(p * 2^32): draws below it are dropped
   uint64_t seed = 0;
   uint64_t offset = 0;
+  // When set (an rng_state tensor on the GPU), kernels read the seed at
+  // *seed_ptr and the offset at *offset_ptr + offset: no host sync, so the
+  // ops can be captured in a CUDA graph.
+  const int64_t* seed_ptr = nullptr;
+  const int64_t* offset_ptr = nullptr;
   MHA_HOST_DEVICE bool enabled() const { return p > 0.0; }
+  MHA_HOST_DEVICE uint64_t seed_value() const {
+    return seed_ptr != nullptr ? static_cast<uint64_t>(*seed_ptr) : seed;
+  }
+  MHA_HOST_DEVICE uint64_t offset_value() const {
+    return offset_ptr != nullptr ? static_cast<uint64_t>(*offset_ptr) + offset : offset;
+  }
 };
 
 struct AttentionFwdParams {

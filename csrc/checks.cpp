@@ -126,10 +126,13 @@ void check_dropout_p(double dropout_p) {
               format_float(dropout_p));
 }
 
-void check_rng_state(const at::Tensor& r) {
-  TORCH_CHECK(r.scalar_type() == at::kLong && r.numel() == 2 && r.dim() == 1 && r.device().is_cpu(),
-              "rng_state must be an int64 CPU tensor of shape (2) holding (seed, offset), got ",
-              dtype_name(r.scalar_type()), " of shape ", format_shape(r.sizes()), " on ",
+void check_rng_state(const at::Tensor& r, const at::Device& query_device) {
+  const bool placed = r.device().is_cpu() || r.device() == query_device;
+  TORCH_CHECK(r.scalar_type() == at::kLong && r.numel() == 2 && r.dim() == 1 && placed,
+              "rng_state must be an int64 tensor of shape (2) holding (seed, offset) ",
+              query_device.is_cpu() ? std::string("on the CPU")
+                                    : "on the CPU or on query's device (" + query_device.str() + ")",
+              ", got ", dtype_name(r.scalar_type()), " of shape ", format_shape(r.sizes()), " on ",
               r.device().str());
 }
 

@@ -28,8 +28,9 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
 // dropout_p in [0, 1).
 void check_dropout_p(double dropout_p);
 
-// rng_state: int64 (seed, offset) on the CPU, required when dropout_p > 0.
-void check_rng_state(const at::Tensor& rng_state);
+// rng_state: int64 (seed, offset), on the CPU or on query's device (where a
+// kernel reads it without a host sync, e.g. inside a CUDA graph).
+void check_rng_state(const at::Tensor& rng_state, const at::Device& query_device);
 
 // Checks that `name` has exactly `expected` sizes (and query's dtype/device
 // unless `dtype` is given).

@@ -38,15 +38,21 @@ inline at::ScalarType acc_type_of(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// The dropout contract of dropout.h for probability p and (seed, offset).
+// The dropout contract of dropout.h for probability p and (seed, offset):
+// read here from a CPU rng_state; a kernel reads one on another device.
 inline DropoutParams dropout_params(double p, const at::Tensor& rng_state) {
   const int64_t* r = rng_state.const_data_ptr<int64_t>();
   DropoutParams d;
   d.p = p;
   d.rescale = 1.0 / (1.0 - p);
   d.drop_threshold = static_cast<uint32_t>(std::floor(p * 4294967296.0));
-  d.seed = static_cast<uint64_t>(r[0]);
-  d.offset = static_cast<uint64_t>(r[1]);
+  if (rng_state.device().is_cpu()) {
+    d.seed = static_cast<uint64_t>(r[0]);
+    d.offset = static_cast<uint64_t>(r[1]);
+  } else {
+    d.seed_ptr = r;
+    d.offset_ptr = r + 1;
+  }
   return d;
 }
 
@@ -96,8 +102,9 @@ inline std::vector<at::Tensor> fill_common(AttentionFwdParams& p, const Attentio
 
 // What the forward host function of every backend does before its kernel:
 // check the inputs (plus `check_backend` on the shape), settle the rng state
-// (the given one, or `draw()` when dropout needs one), allocate out and lse,
-// and, when there is a row to compute, fill the params.
+// (a copy of the given one, or `draw()` when dropout needs one; zeros on
+// query's device without dropout), allocate out and lse, and, when there is
+// a row to compute, fill the params.
 struct ForwardCall {
   AttentionShape s;
   at::Tensor out, lse, rng_state;
@@ -116,10 +123,10 @@ ForwardCall prepare_forward(const at::Tensor& query, const at::Tensor& key, cons
   c.s = check_attention_inputs(query, key, value, attn_mask, dropout_p, enable_gqa);
   check_backend(c.s);
   if (dropout_p > 0.0) {
-    if (rng_state.has_value()) check_rng_state(*rng_state);
+    if (rng_state.has_value()) check_rng_state(*rng_state, query.device());
     c.rng_state = rng_state.has_value() ? rng_state->clone() : draw();
   } else {
-    c.rng_state = at::zeros({2}, at::TensorOptions().dtype(at::kLong));
+    c.rng_state = at::zeros({2}, query.options().dtype(at::kLong));
   }
   const AttentionShape& s = c.s;
   c.out = at::empty(with_batch(s, {s.heads_q, s.len_q, s.head_dim_v}), query.options());
@@ -161,7 +168,7 @@ BackwardCall prepare_backward(const at::Tensor& grad_out, const at::Tensor& quer
   check_same_shape("out", out, out_sizes, query);
   check_same_shape("logsumexp", logsumexp, with_batch(s, {s.heads_q, s.len_q}), query,
                    acc_type_of(query.scalar_type()));
-  if (dropout_p > 0.0) check_rng_state(rng_state);
+  if (dropout_p > 0.0) check_rng_state(rng_state, query.device());
   c.want_mask_grad = attn_mask_requires_grad && attn_mask.has_value() && attn_mask->scalar_type() != at::kBool;
   c.has_heads = s.batch * s.heads_q > 0;
   if (!c.has_heads) return c;

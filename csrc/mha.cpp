@@ -14,8 +14,10 @@ TORCH_LIBRARY(mha_ext, m) {
   // with attn_mask (both applied). Returns the output (N..., Hq, L, Ev), the
   // per-row logsumexp (N..., Hq, L) in float32 (float64 for float64 inputs;
   // -inf for a row with every key masked, whose output is 0), and the
-  // (seed, offset) used for dropout. With dropout_p > 0 and no rng_state, one
-  // is drawn from the default CPU generator.
+  // (seed, offset) used for dropout: a copy of rng_state when given (on the
+  // CPU or on query's device), else drawn from the generator of query's
+  // device (on a GPU by device ops, so a captured CUDA graph draws anew on
+  // each replay) and returned on query's device.
   m.def(mha_ext::kAttentionSchema);
 
   // Fused backward of `attention`: recomputes the probabilities from the

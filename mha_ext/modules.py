@@ -120,8 +120,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
         mask = self._merge_masks(attn_mask, key_padding_mask, q.dtype, N, L, S)
         dropout_p = self.dropout if self.training else 0.0
-        rng_state = new_rng_state() if dropout_p > 0.0 else None
-        out, lse, _ = torch.ops.mha_ext.attention(q, k, v, mask, dropout_p, use_causal, None, False, rng_state)
+        rng_state = new_rng_state(q.device) if dropout_p > 0.0 else None
+        out, lse, rng_used = torch.ops.mha_ext.attention(q, k, v, mask, dropout_p, use_causal, None, False, rng_state)
         out = self.out_proj(out.transpose(1, 2).reshape(N, L, E))
         if batched and not self.batch_first:
             out = out.transpose(0, 1)
@@ -130,7 +130,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
         if not need_weights:
             return out, None
-        weights = self._weights(q, k, mask, lse, dropout_p, rng_state)
+        weights = self._weights(q, k, mask, lse, dropout_p, rng_used)
         if average_attn_weights:
             weights = weights.mean(dim=1)
         if not batched:
@@ -192,6 +192,6 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         any_key = (lse != float("-inf")).unsqueeze(-1)
         weights = torch.where(any_key, torch.softmax(torch.where(any_key, scores, 0.0), dim=-1), 0.0)
         if dropout_p > 0.0:
-            keep = torch.ops.mha_ext.dropout_mask(rng_state, list(weights.shape), dropout_p)
+            keep = torch.ops.mha_ext.dropout_mask(rng_state.cpu(), list(weights.shape), dropout_p).to(weights.device)
             weights = weights * keep / (1.0 - dropout_p)
         return weights.to(q.dtype)

@@ -102,10 +102,12 @@ def check_dropout_p(dropout_p):
     _check(0.0 <= dropout_p < 1.0, lambda: f"dropout_p must be in [0, 1), got {dropout_p:g}")
 
 
-def check_rng_state(r):
+def check_rng_state(r, query_device):
+    placed = r.device.type == "cpu" or r.device == query_device
+    where = "on the CPU" if query_device.type == "cpu" else f"on the CPU or on query's device ({query_device})"
     _check(
-        r.dtype == torch.int64 and r.numel() == 2 and r.dim() == 1 and r.device.type == "cpu",
-        lambda: "rng_state must be an int64 CPU tensor of shape (2) holding (seed, offset), got "
+        r.dtype == torch.int64 and r.numel() == 2 and r.dim() == 1 and placed,
+        lambda: f"rng_state must be an int64 tensor of shape (2) holding (seed, offset) {where}, got "
         f"{r.dtype} of shape {_fmt(r.shape)} on {r.device}",
     )
 
@@ -125,11 +127,13 @@ def _check_same_shape(name, t, expected, like, dtype=None):
 def _attention_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False, rng_state=None):
     batch, hq, _, L, _, _, ev = check_attention_inputs(query, key, value, attn_mask, dropout_p, enable_gqa)
-    if dropout_p > 0.0 and rng_state is not None:
-        check_rng_state(rng_state)
+    given = dropout_p > 0.0 and rng_state is not None
+    if given:
+        check_rng_state(rng_state, query.device)
     out = query.new_empty(batch + (hq, L, ev))
     lse = query.new_empty(batch + (hq, L), dtype=_acc_dtype(query.dtype))
-    rng = torch.empty(2, dtype=torch.int64, device="cpu")
+    # a copy of the given rng_state, else one on query's device (drawn, or zeros without dropout)
+    rng = torch.empty(2, dtype=torch.int64, device=rng_state.device if given else query.device)
     return out, lse, rng
 
 
@@ -141,7 +145,7 @@ def _attention_backward_fake(grad_out, query, key, value, out, logsumexp, attn_m
     _check_same_shape("out", out, batch + (hq, L, ev), query)
     _check_same_shape("logsumexp", logsumexp, batch + (hq, L), query, _acc_dtype(query.dtype))
     if dropout_p > 0.0:
-        check_rng_state(rng_state)
+        check_rng_state(rng_state, query.device)
     want_mask = attn_mask_requires_grad and attn_mask is not None and attn_mask.dtype != torch.bool
     grad_mask = attn_mask.new_empty(attn_mask.shape) if want_mask else query.new_empty((0,))
     return (
@@ -154,7 +158,7 @@ def _attention_backward_fake(grad_out, query, key, value, out, logsumexp, attn_m
 
 @torch.library.register_fake("mha_ext::dropout_mask")
 def _dropout_mask_fake(rng_state, shape, dropout_p):
-    check_rng_state(rng_state)
+    check_rng_state(rng_state, torch.device("cpu"))
     check_dropout_p(dropout_p)
     _check(len(shape) > 0, lambda: "shape must have at least 1 dim, got ()")
     return torch.empty(shape, dtype=torch.bool, device=rng_state.device)
@@ -215,9 +219,13 @@ def cpu_isa() -> str:
     return torch.ops.mha_ext.cpu_isa()
 
 
-def new_rng_state() -> torch.Tensor:
-    """A fresh dropout (seed, offset), drawn from torch's default CPU generator,
-    so torch.manual_seed reproduces it."""
+def new_rng_state(device=None) -> Optional[torch.Tensor]:
+    """A fresh dropout (seed, offset) for inputs on `device`: on the CPU, drawn
+    from torch's default CPU generator; elsewhere None, which lets the op draw
+    from that device's generator on the device itself (so a CUDA graph
+    replays with fresh draws). torch.manual_seed reproduces both."""
+    if device is not None and torch.device(device).type != "cpu":
+        return None
     return torch.randint(0, 2**62, (2,), dtype=torch.int64)
 
 
@@ -237,7 +245,7 @@ def scaled_dot_product_attention(
     (N..., Hq, L, Ev). attn_mask is bool (True = may attend) or float (added to
     the scores), broadcastable to (N..., Hq, L, S); is_causal (top-left) may be
     combined with it. A query row that can attend to no key gives 0."""
-    rng_state = new_rng_state() if dropout_p > 0.0 else None
+    rng_state = new_rng_state(query.device) if dropout_p > 0.0 else None
     out, _, _ = torch.ops.mha_ext.attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng_state
     )

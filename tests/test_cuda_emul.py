@@ -219,6 +219,21 @@ def test_emul_dropout_mask_is_bit_identical_to_cpu(backend):
     torch.testing.assert_close(out, keep.double() / ((1 - p) * S), rtol=1e-12, atol=1e-12)
 
 
+def test_emul_dropout_without_rng_state_draws_one(backend):
+    # the op draws (seed, offset) itself (on a GPU from torch's CUDA generator,
+    # graph-safe) and returns it; the CPU op with that state drops the same
+    q, k, v = make((1, 2, 2, 30, 41, 16, 16), torch.float64)
+    out, lse, rng = backend.attention(q, k, v, None, 0.25, False, None, False, None)
+    assert rng.dtype == torch.int64 and rng.shape == (2,)
+    cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.25, False, None, False, rng.cpu())
+    torch.testing.assert_close(out, cpu_out, rtol=1e-12, atol=1e-12)
+    go = torch.randn_like(out)
+    ours = _backward(backend, q, k, v, out, lse, go, None, 0.25, rng=rng)
+    cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, None, 0.25, rng=rng.cpu())
+    for a, c in zip(ours[:3], cpu[:3]):
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_emul_dropout_forward_and_backward_match_cpu(backend, dtype):
     shape = (1, 4, 2, 50, 70, 64, 48)
@@ -338,3 +353,27 @@ def test_emul_device_code_reaches_hardware_only_through_simt():
         text = open(path).read()
         for word in banned:
             assert word not in text, f"{os.path.basename(path)} uses {word} directly"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_replays_draw_fresh_dropout():
+    # Captured without rng_state, the op reads torch's generator state on the
+    # device: each replay draws a new (seed, offset), and drops what the CPU op
+    # drops for it.
+    q, k, v = (torch.randn(1, 2, 64, 32, device="cuda", dtype=torch.float16) for _ in range(3))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.ops.mha_ext.attention(q, k, v, None, 0.5)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _, rng = torch.ops.mha_ext.attention(q, k, v, None, 0.5)
+    used = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _, _ = torch.ops.mha_ext.attention(q.cpu(), k.cpu(), v.cpu(), None, 0.5, rng_state=rng.cpu())
+        torch.testing.assert_close(out.cpu(), ref, rtol=2e-2, atol=2e-2)
+        used.append(rng.cpu().clone())
+    assert not torch.equal(used[0], used[1])

@@ -146,7 +146,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
 at::Tensor dropout_mask_cpu(const at::Tensor& rng_state,  // int64 (seed, offset), CPU
                             at::IntArrayRef shape,        // (N..., H, L, S)
                             double dropout_p) {
-  check_rng_state(rng_state);
+  check_rng_state(rng_state, at::Device(at::kCPU));
   check_dropout_p(dropout_p);
   TORCH_CHECK(!shape.empty(), "shape must have at least 1 dim, got ()");
   at::Tensor keep = at::empty(shape, at::TensorOptions().dtype(at::kBool));

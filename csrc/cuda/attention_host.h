@@ -10,7 +10,10 @@
 
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/ops/zeros.h>
@@ -21,7 +24,6 @@
 #if defined(__CUDACC__)
 #include <c10/cuda/CUDAStream.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
-#include <ATen/cuda/detail/UnpackRaw.cuh>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
@@ -71,9 +73,12 @@ void check_launch(Status status) {
 #endif
 }
 
-// (seed, offset) for a call with dropout and no rng_state: from the CUDA
-// generator (advanced by the Philox counters a row of S keys uses), or the
-// CPU one in the emulation.
+// (seed, offset) for a call with dropout and no rng_state, as an int64 (2)
+// tensor on query's device: from torch's CUDA generator, advanced by the
+// Philox counters a row of S keys uses. Inside a CUDA graph the generator's
+// seed and offset live in device memory (what at::cuda::philox::unpack
+// reads); the tensor is then assembled by device ops from them, so each
+// replay of the graph draws anew. The emulation draws from the CPU generator.
 inline at::Tensor draw_rng_state(const at::Tensor& query, int64_t len_kv) {
 #if defined(__CUDACC__)
   auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
@@ -84,19 +89,31 @@ inline at::Tensor draw_rng_state(const at::Tensor& query, int64_t len_kv) {
     std::lock_guard<std::mutex> lock(gen->mutex_);
     state = gen->philox_cuda_state((counters + 3) / 4 * 4);
   }
-  TORCH_CHECK(!state.captured_,
-              "mha_ext::attention with dropout_p > 0 and no rng_state cannot be captured in a CUDA graph yet; "
-              "pass rng_state (mha_ext.ops.new_rng_state())");
-  const auto [seed, offset] = at::cuda::philox::unpack(state);
+  const auto on_device = query.options().dtype(at::kLong);
+  if (state.captured_) {
+    at::Tensor seed = at::from_blob(state.seed_.ptr, {1}, on_device);
+    at::Tensor offset = at::from_blob(state.offset_.ptr, {1}, on_device);
+    return at::cat({seed, offset.add(static_cast<int64_t>(state.offset_intragraph_))});
+  }
   at::Tensor r = at::empty({2}, at::TensorOptions().dtype(at::kLong));
-  r.data_ptr<int64_t>()[0] = static_cast<int64_t>(seed);
-  r.data_ptr<int64_t>()[1] = static_cast<int64_t>(offset);
-  return r;
+  r.data_ptr<int64_t>()[0] = static_cast<int64_t>(state.seed_.val);
+  r.data_ptr<int64_t>()[1] = static_cast<int64_t>(state.offset_.val);
+  return r.to(query.device());
 #else
   (void)query;
   (void)len_kv;
   return at::randint(0, int64_t(1) << 62, {2}, at::TensorOptions().dtype(at::kLong));
 #endif
+}
+
+// An rng_state on query's device is read by the kernels themselves (no host
+// sync). In the emulation query's device is the CPU, so the tests take this
+// path too.
+inline void read_rng_on_device(DropoutParams& d, const at::Tensor& rng_state, const at::Tensor& query) {
+  if (!d.enabled() || rng_state.device() != query.device()) return;
+  d.seed_ptr = rng_state.const_data_ptr<int64_t>();
+  d.offset_ptr = d.seed_ptr + 1;
+  d.offset = 0;
 }
 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_fwd_device(
@@ -105,7 +122,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_fwd_device(
     const at::Tensor& value,  // (N..., Hkv, S, Ev), any strides
     const std::optional<at::Tensor>& attn_mask,  // broadcastable to (N..., Hq, L, S)
     double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa,
-    const std::optional<at::Tensor>& rng_state) {  // int64 (seed, offset), CPU
+    const std::optional<at::Tensor>& rng_state) {  // int64 (seed, offset), CPU or query's device
 #if defined(__CUDACC__)
   const c10::cuda::CUDAGuard guard(query.device());
 #endif
@@ -118,6 +135,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_fwd_device(
     c.lse.fill_(-std::numeric_limits<double>::infinity());
     return {c.out, c.lse, c.rng_state};
   }
+  read_rng_on_device(c.p.dropout, c.rng_state, query);
   const simt::Stream stream = current_stream(query);
   dispatch_device_type(query.scalar_type(), "attention", [&](auto elem) {
     using T = decltype(elem);
@@ -135,7 +153,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_
     const at::Tensor& logsumexp,  // (N..., Hq, L), float32 (float64 for float64)
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa,
-    const at::Tensor& rng_state,  // int64 (seed, offset), CPU
+    const at::Tensor& rng_state,  // int64 (seed, offset), CPU or query's device
     bool attn_mask_requires_grad) {
 #if defined(__CUDACC__)
   const c10::cuda::CUDAGuard guard(query.device());
@@ -157,6 +175,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_
     grad_q.zero_();
   } else {
     AttentionBwdParams& p = c.p;
+    read_rng_on_device(p.dropout, rng_state, query);
     at::Tensor row_dot = at::empty({B, Hq, L}, acc_opts);
     // Atomic dQ accumulation unless deterministic algorithms are asked for;
     // then a second kernel recomputes dQ per query block.
