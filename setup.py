@@ -52,7 +52,8 @@ print(f"mha_ext: building {'CPU + CUDA' if with_cuda else 'CPU only'} ({why})", 
 cxx_flags = ["-O3", "-fopenmp", "-fvisibility=hidden", "-Wall"]
 link_flags = ["-fopenmp"]
 if with_cuda:
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    # SASS for sm_80 and sm_90, and sm_90 PTX that newer GPUs can compile
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     print(f"mha_ext: TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}", flush=True)
     # One .cu holds every kernel instantiation (csrc/cuda/launch.h counts
     # them); --threads compiles its architectures in parallel.

@@ -95,7 +95,9 @@ inline std::vector<at::Tensor> fill_common(AttentionFwdParams& p, const Attentio
 
   if (dropout_p > 0.0) {
     TORCH_INTERNAL_ASSERT(rng_state.has_value());
-    p.dropout = dropout_params(dropout_p, *rng_state);
+    at::Tensor rng = rng_state->contiguous();  // kernels read (seed, offset) at [0], [1]
+    p.dropout = dropout_params(dropout_p, rng);
+    keep_alive.push_back(rng);
   }
   return keep_alive;
 }

@@ -1,7 +1,8 @@
 """The built library carries the CUDA backend where it can be built (a CUDA
 build of torch and nvcc, as on this project's machines): CUDA kernels are
 registered for both ops even without a GPU, and the library holds device code
-(ELF) for every architecture of TORCH_CUDA_ARCH_LIST (default 8.0;9.0)."""
+(ELF) for every architecture of TORCH_CUDA_ARCH_LIST (default 8.0;9.0+PTX),
+and PTX for those marked +PTX."""
 import os
 import shutil
 import struct
@@ -52,9 +53,12 @@ def test_cuda_kernels_are_registered(op):
 
 @needs_cuda_build
 def test_library_holds_device_code_for_each_architecture():
-    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
-    wanted = {int(a.replace("+PTX", "").replace(".", "")) for a in arch_list.replace(" ", ";").split(";") if a}
+    arch_list = [a for a in os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX").replace(" ", ";").split(";") if a]
+    wanted = {int(a.replace("+PTX", "").replace(".", "")) for a in arch_list}
+    wanted_ptx = {int(a.replace("+PTX", "").replace(".", "")) for a in arch_list if a.endswith("+PTX")}
     with open(mha_ext.library_path, "rb") as f:
         entries = fatbin_entries(f.read())
     elf = {sm for kind, sm in entries if kind == KIND_ELF}
+    ptx = {sm for kind, sm in entries if kind == KIND_PTX}
     assert wanted <= elf, f"device code for sm {sorted(elf)}, wanted {sorted(wanted)}"
+    assert wanted_ptx <= ptx, f"PTX for sm {sorted(ptx)}, wanted {sorted(wanted_ptx)}"

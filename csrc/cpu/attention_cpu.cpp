@@ -152,7 +152,7 @@ at::Tensor dropout_mask_cpu(const at::Tensor& rng_state,  // int64 (seed, offset
   at::Tensor keep = at::empty(shape, at::TensorOptions().dtype(at::kBool));
   const int64_t S = shape.back();
   const int64_t rows = S == 0 ? 0 : keep.numel() / S;
-  const DropoutParams d = dropout_params(dropout_p, rng_state);
+  const DropoutParams d = dropout_params(dropout_p, rng_state.contiguous());
   uint8_t* dst = reinterpret_cast<uint8_t*>(keep.data_ptr<bool>());
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {

@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/div.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/randint.h>
@@ -50,8 +51,27 @@ inline void check_device_limits(const AttentionShape& s) {
   TORCH_CHECK(s.batch * s.heads_q <= std::numeric_limits<int32_t>::max(),
               "batch x heads must fit in 31 bits for the CUDA grid, got ", s.batch * s.heads_q);
   const int64_t rows = std::max(s.len_q, s.len_kv);
-  TORCH_CHECK(rows <= device::max_rows<double>(), "the CUDA kernels support sequence lengths up to ",
-              device::max_rows<double>(), ", got L = ", s.len_q, ", S = ", s.len_kv);
+  TORCH_CHECK(rows <= device::kMaxRows, "the CUDA kernels support sequence lengths up to ", device::kMaxRows,
+              ", got L = ", s.len_q, ", S = ", s.len_kv);
+}
+
+// The tile configuration of this dtype and head dim must fit the GPU's
+// shared memory per block (float64 at head dim > 128 needs 132 KiB: sm_80 /
+// sm_90 have it, sm_86 / sm_89 do not).
+inline void check_shared_memory(const at::Tensor& query, const AttentionShape& s) {
+#if defined(__CUDACC__)
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, query.device().index()));
+  const size_t need = dispatch_device_type(query.scalar_type(), "attention", [&](auto elem) {
+    return device::shared_bytes_needed<decltype(elem)>(s.head_dim, s.head_dim_v);
+  });
+  TORCH_CHECK(need <= static_cast<size_t>(optin), "the CUDA kernels for ", dtype_name(query.scalar_type()),
+              " with head dim ", std::max(s.head_dim, s.head_dim_v), " need ", need / 1024,
+              " KiB of shared memory per block; this GPU allows ", optin / 1024, " KiB (use float32)");
+#else
+  (void)query;
+  (void)s;
+#endif
 }
 
 inline simt::Stream current_stream(const at::Tensor& t) {
@@ -83,22 +103,26 @@ inline at::Tensor draw_rng_state(const at::Tensor& query, int64_t len_kv) {
 #if defined(__CUDACC__)
   auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
       std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(query.device().index()));
-  const uint64_t counters = static_cast<uint64_t>((len_kv + 3) / 4);
+  // a row uses ceil(S / 4) Philox blocks of 4 numbers; torch counts numbers
+  const uint64_t numbers = 4 * static_cast<uint64_t>((len_kv + 3) / 4);
   at::PhiloxCudaState state;
   {
     std::lock_guard<std::mutex> lock(gen->mutex_);
-    state = gen->philox_cuda_state((counters + 3) / 4 * 4);
+    state = gen->philox_cuda_state(numbers);
   }
   const auto on_device = query.options().dtype(at::kLong);
   if (state.captured_) {
-    at::Tensor seed = at::from_blob(state.seed_.ptr, {1}, on_device);
-    at::Tensor offset = at::from_blob(state.offset_.ptr, {1}, on_device);
-    return at::cat({seed, offset.add(static_cast<int64_t>(state.offset_intragraph_))});
+    auto wrap = [&](int64_t* ptr) {
+      return at::for_blob(ptr, {1}).options(on_device).target_device(query.device()).make_tensor();
+    };
+    // torch's offsets count 32-bit numbers; ours counts Philox blocks of 4
+    at::Tensor offset = wrap(state.offset_.ptr).add(static_cast<int64_t>(state.offset_intragraph_));
+    return at::cat({wrap(state.seed_.ptr), offset.div(4, "floor")});
   }
-  at::Tensor r = at::empty({2}, at::TensorOptions().dtype(at::kLong));
-  r.data_ptr<int64_t>()[0] = static_cast<int64_t>(state.seed_.val);
-  r.data_ptr<int64_t>()[1] = static_cast<int64_t>(state.offset_.val);
-  return r.to(query.device());
+  at::Tensor r = at::empty({2}, on_device);  // filled by device ops: no host sync
+  r.select(0, 0).fill_(static_cast<int64_t>(state.seed_.val));
+  r.select(0, 1).fill_(static_cast<int64_t>(state.offset_.val / 4));
+  return r;
 #else
   (void)query;
   (void)len_kv;
@@ -130,6 +154,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_fwd_device(
                                   rng_state, check_device_limits,
                                   [&] { return draw_rng_state(query, key.size(-2)); });
   if (!c.has_rows) return {c.out, c.lse, c.rng_state};
+  check_shared_memory(query, c.s);
   if (c.s.len_kv == 0) {  // no keys: every row fully masked
     c.out.zero_();
     c.lse.fill_(-std::numeric_limits<double>::infinity());
@@ -167,15 +192,20 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_
   const int64_t L = s.len_q, S = s.len_kv, E = s.head_dim, Ev = s.head_dim_v;
   const auto acc_opts = query.options().dtype(acc);
   at::Tensor grad_q = at::empty(with_batch(s, {Hq, L, E}), query.options());
-  at::Tensor dk_heads = at::zeros({B, Hq, S, E}, acc_opts);
-  at::Tensor dv_heads = at::zeros({B, Hq, S, Ev}, acc_opts);
+  // every row is written by the key-block kernel when it runs
+  at::Tensor dk_heads = at::empty({B, Hq, S, E}, acc_opts);
+  at::Tensor dv_heads = at::empty({B, Hq, S, Ev}, acc_opts);
   at::Tensor dmask_full = want_mask_grad ? at::zeros({B, Hq, L, S}, acc_opts) : at::Tensor();
 
   if (!c.has_heads || L == 0 || S == 0) {
     grad_q.zero_();
+    dk_heads.zero_();
+    dv_heads.zero_();
   } else {
     AttentionBwdParams& p = c.p;
-    read_rng_on_device(p.dropout, rng_state, query);
+    check_shared_memory(query, s);
+    const at::Tensor rng_c = rng_state.contiguous();
+    read_rng_on_device(p.dropout, rng_c, query);
     at::Tensor row_dot = at::empty({B, Hq, L}, acc_opts);
     // Atomic dQ accumulation unless deterministic algorithms are asked for;
     // then a second kernel recomputes dQ per query block.

@@ -318,22 +318,26 @@ MHA_DEVICE void prob_and_grad(const AttentionBwdParams& p, DropoutKey key, int64
   if (grad_mask != nullptr) grad_mask[((b * p.heads_q + h) * p.len_q + i) * p.len_kv + j] = ds;
 }
 
-// row_dot[(b, h, i)] = sum_e dO[i, e] * O[i, e]; grid (B * Hq, ceil(L / warps)).
+// row_dot[(b, h, i)] = sum_e dO[i, e] * O[i, e]; grid (B * Hq, ceil(L / kDotRows)),
+// each warp kDotRows / warps rows, one at a time.
+constexpr int kDotRows = 16;
 template <typename T>
 MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams p) {
   using A = typename AccOf<T>::type;
-  const int lane = static_cast<int>(thread_idx().x) % kWarpSize;
+  const int lane = static_cast<int>(thread_idx().x) % kWarpSize, warp = static_cast<int>(thread_idx().x) / kWarpSize;
   const int warps = static_cast<int>(block_dim().x) / kWarpSize;
   const int64_t bh = block_idx().x, b = bh / p.heads_q, h = bh % p.heads_q;
-  const int64_t i = static_cast<int64_t>(block_idx().y) * warps + static_cast<int>(thread_idx().x) / kWarpSize;
-  const T* go = as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h + i * p.grad_out_stride.row;
-  const T* o = as<T>(p.out) + b * p.out_stride.b + h * p.out_stride.h + i * p.out_stride.row;
-  A sum = A(0);
-  if (i < p.len_q)
-    for (int64_t e = lane; e < p.head_dim_v; e += kWarpSize)
-      sum += static_cast<A>(to_float(go[e * p.grad_out_stride.col])) * static_cast<A>(to_float(o[e * p.out_stride.col]));
-  for (int m = 16; m > 0; m /= 2) sum += shfl_xor(sum, m);
-  if (lane == 0 && i < p.len_q) static_cast<A*>(p.row_dot)[bh * p.len_q + i] = sum;
+  for (int r = warp; r < kDotRows; r += warps) {
+    const int64_t i = static_cast<int64_t>(block_idx().y) * kDotRows + r;
+    const T* go = as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h + i * p.grad_out_stride.row;
+    const T* o = as<T>(p.out) + b * p.out_stride.b + h * p.out_stride.h + i * p.out_stride.row;
+    A sum = A(0);
+    if (i < p.len_q)
+      for (int64_t e = lane; e < p.head_dim_v; e += kWarpSize)
+        sum += static_cast<A>(to_float(go[e * p.grad_out_stride.col])) * static_cast<A>(to_float(o[e * p.out_stride.col]));
+    for (int m = 16; m > 0; m /= 2) sum += shfl_xor(sum, m);
+    if (lane == 0 && i < p.len_q) static_cast<A*>(p.row_dot)[bh * p.len_q + i] = sum;
+  }
 }
 
 // Key-block kernel. Shared: K, V, Q, dO (kB x kLd), P^T / dS^T (kB x kLdP),
@@ -420,12 +424,13 @@ MHA_UNROLL
     sync_tile();
     warp_mma<T>(dv, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{do_s + c_base, kLd, 1}, kB, lane);  // dV += P^T dO
     sync_tile();  // P^T read before dS^T overwrites it
-    if (writer)
+    if (writer) {
 MHA_UNROLL
       for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
         for (int e = 0; e < 4; ++e)
           t_s[(row0 + MmaLayout::c_row(lane, e)) * kLdP + 8 * t + MmaLayout::c_col(lane, e)] = to_elem<T>(dst[t][e]);
+    }
     sync_tile();
     warp_mma<T>(dk, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane);  // dK += dS^T Q
 

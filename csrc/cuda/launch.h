@@ -60,13 +60,20 @@ constexpr size_t bwd_shared_bytes() {
 }
 
 // Grid rows (y) a launch over `rows` in blocks of `block` needs; CUDA allows
-// 65535, which the host checks before launching.
+// 65535, which the host checks before launching: every launch covers at
+// least 16 rows per block (static_asserts below), so up to 65535 * 16 rows.
 inline unsigned row_blocks(int64_t rows, int block) { return static_cast<unsigned>((rows + block - 1) / block); }
+constexpr int64_t kMinRowsPerBlock = 16;
+constexpr int64_t kMaxRows = 65535 * kMinRowsPerBlock;
+static_assert(kDotRows >= kMinRowsPerBlock && TileConfig<double, 256>::kFwdBlockM >= kMinRowsPerBlock &&
+              TileConfig<double, 256>::kBwdBlock >= kMinRowsPerBlock);
 
-// Most rows any launch of this element type covers in its grid's y dimension.
+// Shared memory the calls of this element type and head dims need per block
+// (the larger of forward and backward).
 template <typename T>
-int64_t max_rows() {
-  return 65535 * int64_t(std::min(TileConfig<T, 256>::kFwdBlockM, TileConfig<T, 256>::kBwdBlock));
+size_t shared_bytes_needed(int64_t e, int64_t ev) {
+  const int d = padded_head_dim(e, ev);
+  return MHA_HEAD_DIM_SWITCH(d, [&] { return std::max(fwd_shared_bytes<T, kHeadDim>(), bwd_shared_bytes<T, kHeadDim>()); });
 }
 
 template <typename T>
@@ -87,7 +94,7 @@ template <typename T, typename Check>
 void launch_attention_bwd(const AttentionBwdParams& p, Stream stream, Check&& check) {
   constexpr int kDotWarps = 4;
   const unsigned bh = static_cast<unsigned>(p.batch * p.heads_q);
-  check(launch_kernel(attention_bwd_dot_kernel<T>, dim3(bh, row_blocks(p.len_q, kDotWarps)),
+  check(launch_kernel(attention_bwd_dot_kernel<T>, dim3(bh, row_blocks(p.len_q, kDotRows)),
                       dim3(32 * kDotWarps), 0, stream, p));
   const int d = padded_head_dim(p.head_dim, p.head_dim_v);
   MHA_HEAD_DIM_SWITCH(d, [&] {

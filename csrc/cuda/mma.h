@@ -58,8 +58,8 @@ MHA_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
-#else
-  __trap();  // the build targets sm_80 and newer only
+#elif defined(__CUDA_ARCH__)
+#error "mha_ext's CUDA kernels need sm_80 or newer (mma.sync m16n8k16 with bfloat16): set TORCH_CUDA_ARCH_LIST to 8.0 or above"
 #endif
 }
 
