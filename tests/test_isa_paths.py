@@ -32,10 +32,11 @@ print("ok")
 
 def _supported():
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    return {"generic": True, "avx2": " avx2" in flags and " fma" in flags, "avx512": " avx512f" in flags}
+    return {"generic": True, "avx2": " avx2" in flags and " fma" in flags, "avx512": " avx512f" in flags,
+            "amx": " avx512f" in flags and " amx_bf16" in flags and " amx_tile" in flags}
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "amx"])
 def test_isa_path(isa):
     if not _supported()[isa]:
         pytest.skip(f"this CPU has no {isa}")

@@ -426,12 +426,14 @@ Isa detect_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::kAvx2;
   if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f")) best = Isa::kAvx512;
+  if (best == Isa::kAvx512 && amx_bf16_usable()) best = Isa::kAmx;
 #endif
   if (const char* env = std::getenv("MHA_EXT_CPU_ISA")) {
     Isa want = best;
     if (std::strcmp(env, "generic") == 0) want = Isa::kGeneric;
     if (std::strcmp(env, "avx2") == 0) want = Isa::kAvx2;
     if (std::strcmp(env, "avx512") == 0) want = Isa::kAvx512;
+    if (std::strcmp(env, "amx") == 0) want = Isa::kAmx;
     if (static_cast<int>(want) < static_cast<int>(best)) best = want;  // never above the CPU
   }
   return best;
@@ -446,6 +448,7 @@ Isa active_isa() {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::kAmx: return "amx";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
     default: return "generic";
@@ -457,6 +460,7 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* a, int64_t 
   if (M <= 0 || N <= 0) return;
 #if MHA_X86
   switch (active_isa()) {
+    case Isa::kAmx:
     case Isa::kAvx512: return gemm_avx512(M, N, K, alpha, a, a_rs, a_cs, b, ldb, beta, c, ldc);
     case Isa::kAvx2: return gemm_avx2(M, N, K, alpha, a, a_rs, a_cs, b, ldb, beta, c, ldc);
     default: break;
@@ -473,7 +477,7 @@ void gemm(int64_t M, int64_t N, int64_t K, double alpha, const double* a, int64_
 
 void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
 #if MHA_X86
-  if (active_isa() == Isa::kAvx512) return transpose_avx512(src, ld, rows, cols, dst);
+  if (active_isa() >= Isa::kAvx512) return transpose_avx512(src, ld, rows, cols, dst);
 #endif
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * ld + c];
@@ -481,21 +485,21 @@ void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* 
 
 void philox_keep64(uint64_t seed, uint64_t row, uint64_t group0, uint32_t threshold, uint8_t* keep) {
 #if MHA_X86
-  if (active_isa() == Isa::kAvx512) return philox_keep64_avx512(seed, row, group0, threshold, keep);
+  if (active_isa() >= Isa::kAvx512) return philox_keep64_avx512(seed, row, group0, threshold, keep);
 #endif
   philox_keep64_generic(seed, row, group0, threshold, keep);
 }
 
 float row_max(const float* x, int64_t n) {
 #if MHA_X86
-  if (active_isa() == Isa::kAvx512) return row_max_avx512(x, n);
+  if (active_isa() >= Isa::kAvx512) return row_max_avx512(x, n);
 #endif
   return row_max_generic(x, n);
 }
 
 float exp_sub_sum(float* x, int64_t n, float sub) {
 #if MHA_X86
-  if (active_isa() == Isa::kAvx512) return exp_sub_sum_avx512(x, n, sub);
+  if (active_isa() >= Isa::kAvx512) return exp_sub_sum_avx512(x, n, sub);
 #endif
   return exp_sub_sum_generic(x, n, sub);
 }

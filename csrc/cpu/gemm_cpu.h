@@ -14,8 +14,10 @@
 // at 96-104 GFLOP/s on one core here, MKL's sgemm at 69-93 in the same run),
 // an AVX2+FMA one (4 x 16 in 8 ymm, about 44 GFLOP/s) and portable C++;
 // double (the gradcheck path) uses the portable loop.
-// MHA_EXT_CPU_ISA=generic|avx2|avx512 forces a path, never one above what the
-// CPU has (tests run each path that way); unset, the best the CPU has is used.
+// AMX (with AVX-512): bfloat16 tiles multiply on the tile unit instead
+// (amx_gemm_bf16 below; the float routines stay on AVX-512).
+// MHA_EXT_CPU_ISA=generic|avx2|avx512|amx forces a path, never one above what
+// the CPU has (tests run each path that way); unset, the best it has is used.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +25,8 @@
 namespace mha_ext {
 namespace cpu {
 
-enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+inline bool operator>=(Isa a, Isa b) { return static_cast<int>(a) >= static_cast<int>(b); }
 
 // The path in use (decided once per process).
 Isa active_isa();
@@ -42,6 +45,26 @@ float row_max(const float* x, int64_t n);
 // Philox4x32-10(seed, counter = (group0 + t / 4, row)) >= threshold
 // (dropout.h's contract, 16 counters at once).
 void philox_keep64(uint64_t seed, uint64_t row, uint64_t group0, uint32_t threshold, uint8_t* keep);
+
+// AMX: whether the CPU has AMX-TILE and AMX-BF16 and the kernel lets this
+// process use the tile registers (asked for once, as the Linux ABI requires).
+bool amx_bf16_usable();
+// C (M x N float, ldc) = A B, or += A B with accumulate: A (M x K bfloat16
+// bits, row-major, lda), B in the tile unit's pair-interleaved layout: row r
+// holds B(2r, n), B(2r + 1, n) for n = 0 .. N - 1 (ldb bf16 per row). M and
+// N multiples of 32, K of 32; only on Isa::kAmx. Each C element sums its
+// products in a fixed order (reproducible like gemm above).
+void amx_gemm_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda, const uint16_t* b,
+                   int64_t ldb, float* c, int64_t ldc, bool accumulate);
+// Operand packing for amx_gemm_bf16 (Isa::kAmx only), zero-padded:
+// dst (rows_pad x ld) = bfloat16 (round to nearest even) of src rows x cols
+void amx_pack_float_rows(const float* src, int64_t lds, int64_t rows, int64_t cols, int64_t rows_pad, int64_t ld,
+                         uint16_t* dst);
+// pair rows of a contiguous-row bfloat16 matrix (n x cols, row stride rs):
+// dst row t (ld bf16) = src[2t][0], src[2t + 1][0], src[2t][1], ...; rows
+// beyond n and columns beyond cols (up to cols_pad) are zero
+void amx_pack_row_pairs(const uint16_t* src, int64_t rs, int64_t n, int64_t cols, int64_t n_pad, int64_t cols_pad,
+                        int64_t ld, uint16_t* dst);
 
 // dst[c * rows + r] = src[r * ld + c]: a (rows x cols) tile, transposed and packed
 void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst);

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -225,6 +226,62 @@ void dropout_keep_row_cpu(const DropoutParams& d, uint64_t row, int64_t j0, int6
 
 namespace {
 
+// ---------------------------------------------------------------------------
+// AMX operands (bfloat16 forward on Isa::kAmx): bfloat16 bits, zero-padded to
+// the 32-multiples amx_gemm_bf16 works in.
+inline int64_t round32(int64_t x) { return (x + 31) / 32 * 32; }
+
+inline uint16_t bf16_bits(c10::BFloat16 x) { return x.x; }
+
+// A operand: rows [0, rows) x cols [0, cols) of a strided bfloat16 matrix
+// into dst (rows_pad x ld), zero elsewhere.
+void pack_a_bf16(const c10::BFloat16* src, int64_t rs, int64_t cs, int64_t rows, int64_t cols,
+                 int64_t rows_pad, int64_t ld, uint16_t* dst) {
+  for (int64_t r = 0; r < rows_pad; ++r) {
+    uint16_t* d = dst + r * ld;
+    int64_t c = 0;
+    if (r < rows && cs == 1) {
+      std::memcpy(d, src + r * rs, cols * sizeof(uint16_t));
+      c = cols;
+    } else if (r < rows) {
+      for (; c < cols; ++c) d[c] = bf16_bits(src[r * rs + c * cs]);
+    }
+    for (; c < ld; ++c) d[c] = 0;
+  }
+}
+
+// B operand of S = Q K^T from `n` key rows (E columns): pair row t, column j
+// holds K[j][2t], K[j][2t + 1]; (ld_k / 2 pair rows) x (2 n_pad) bits.
+void pack_kt_pairs(const c10::BFloat16* k, int64_t rs, int64_t cs, int64_t n, int64_t E, int64_t n_pad,
+                   int64_t e_pad, uint16_t* dst) {
+  const int64_t ld = 2 * n_pad;
+  if (cs == 1 && E % 2 == 0 && rs % 2 == 0 && n == n_pad && reinterpret_cast<uintptr_t>(k) % 4 == 0) {
+    // the pairs are 32-bit words: a transpose of (n x E / 2) words, bits moved unchanged
+    cpu::transpose(reinterpret_cast<const float*>(k), rs / 2, n, E / 2, reinterpret_cast<float*>(dst));
+    std::fill(dst + (E / 2) * ld, dst + (e_pad / 2) * ld, uint16_t(0));
+    return;
+  }
+  for (int64_t t = 0; t < e_pad / 2; ++t) std::fill(dst + t * ld + 2 * n, dst + (t + 1) * ld, uint16_t(0));
+  for (int64_t j = 0; j < n; ++j) {
+    const c10::BFloat16* row = k + j * rs;
+    for (int64_t e = 0; e < e_pad; ++e) dst[(e / 2) * ld + 2 * j + (e & 1)] = e < E ? bf16_bits(row[e * cs]) : 0;
+  }
+}
+
+// B operand of O = P V from `n` value rows (Ev columns): pair row t, column c
+// holds V[2t][c], V[2t + 1][c]; (n_pad / 2) x (2 ev_pad) bits.
+void pack_v_pairs(const c10::BFloat16* v, int64_t rs, int64_t cs, int64_t n, int64_t Ev, int64_t n_pad,
+                  int64_t ev_pad, uint16_t* dst) {
+  const int64_t ld = 2 * ev_pad;
+  if (cs == 1) return cpu::amx_pack_row_pairs(reinterpret_cast<const uint16_t*>(v), rs, n, Ev, n_pad, ev_pad, ld, dst);
+  for (int64_t j = 0; j < n_pad; ++j) {
+    uint16_t* d = dst + (j / 2) * ld + (j & 1);
+    const c10::BFloat16* row = v + j * rs;
+    for (int64_t c = 0; c < ev_pad; ++c) d[2 * c] = (j < n && c < Ev) ? bf16_bits(row[c * cs]) : 0;
+  }
+}
+
+
 inline uint64_t dropout_row_id(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i) {
   return static_cast<uint64_t>((b * p.heads_q + h) * p.len_q + i);
 }
@@ -252,42 +309,72 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   scalar_t* out = static_cast<scalar_t*>(p.out);
   acc_t* lse = static_cast<acc_t*>(p.lse);
 
+  // bfloat16 on AMX: Q, K, V and P stay bfloat16 and multiply on the tile
+  // unit (float accumulation), padded to multiples of 32; S and O are float.
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  const bool amx = kBf16 && cpu::active_isa() == cpu::Isa::kAmx;
+  const int64_t e_pad = round32(E), ev_pad = round32(Ev);
+  const int64_t ldo = amx ? ev_pad : Ev;  // o_acc row stride
+
   // Work item: (batch, head, chunk of kChunkM query rows). A K^T / V tile is
   // packed once per chunk and used by each of its kBlockM-row query blocks.
   at::parallel_for(0, p.batch * H * n_chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> q_buf(kChunkM * E), kt_buf(kBlockN * E), v_buf(kBlockN * Ev);
-    std::vector<acc_t> s_buf(kBlockM * kBlockN), o_acc(kChunkM * Ev), row_max(kChunkM),
+    std::vector<acc_t> q_buf(amx ? 0 : kChunkM * E), kt_buf(amx ? 0 : kBlockN * E), v_buf(amx ? 0 : kBlockN * Ev);
+    std::vector<acc_t> s_buf(kBlockM * kBlockN), o_acc(kChunkM * ldo), row_max(kChunkM),
         row_sum(kChunkM);
+    std::vector<uint16_t> q_bf(amx ? kChunkM * e_pad : 0), k_bf(amx ? e_pad * kBlockN : 0),
+        v_bf(amx ? kBlockN * ev_pad : 0), p_bf(amx ? kBlockM * kBlockN : 0);
     std::vector<uint8_t> keep(kBlockN);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t chunk = w % n_chunks, bh = w / n_chunks;
       const int64_t h = bh % H, b = bh / H, hk = h / G;
       const int64_t c0 = chunk * kChunkM, cm = std::min(kChunkM, L - c0);
       int64_t ldq = 0, ldv = 0;
-      const acc_t* qc = load_tile(q + b * p.q_stride.b + h * p.q_stride.h + c0 * p.q_stride.row,
-                                  p.q_stride.row, p.q_stride.col, cm, E, q_buf.data(), &ldq);
-      std::fill(o_acc.begin(), o_acc.begin() + cm * Ev, acc_t(0));
+      const scalar_t* q_chunk = q + b * p.q_stride.b + h * p.q_stride.h + c0 * p.q_stride.row;
+      const acc_t* qc = nullptr;
+      if constexpr (kBf16) {
+        if (amx) pack_a_bf16(q_chunk, p.q_stride.row, p.q_stride.col, cm, E, round32(cm), e_pad, q_bf.data());
+      }
+      if (!amx) qc = load_tile(q_chunk, p.q_stride.row, p.q_stride.col, cm, E, q_buf.data(), &ldq);
+      std::fill(o_acc.begin(), o_acc.begin() + round32(cm) * ldo, acc_t(0));
       std::fill(row_max.begin(), row_max.end(), kNegInf);
       std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
 
       const int64_t chunk_kv_end = visible_kv_end(p, c0, cm);
       for (int64_t j0 = 0; j0 < chunk_kv_end; j0 += kBlockN) {
         const int64_t n = std::min(kBlockN, chunk_kv_end - j0);
+        const scalar_t* k_tile = k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row;
+        const scalar_t* v_tile = v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row;
         acc_t* k_t = kt_buf.data();  // K^T, (E x n)
-        load_tile_transposed(k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row,
-                             p.k_stride.row, p.k_stride.col, n, E, k_t);
-        const acc_t* vt =
-            load_tile(v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row,
-                      p.v_stride.row, p.v_stride.col, n, Ev, v_buf.data(), &ldv);
+        const acc_t* vt = nullptr;
+        if constexpr (kBf16) {
+          if (amx) {
+            pack_kt_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, round32(n), e_pad, k_bf.data());
+            pack_v_pairs(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, round32(n), ev_pad, v_bf.data());
+          }
+        }
+        if (!amx) {
+          load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_t);
+          vt = load_tile(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, v_buf.data(), &ldv);
+        }
         for (int64_t r0 = 0; r0 < cm; r0 += kBlockM) {
           const int64_t i0 = c0 + r0, m = std::min(kBlockM, cm - r0);
           const int64_t nq = std::min(n, visible_kv_end(p, i0, m) - j0);  // causal: fewer columns
           if (nq <= 0) continue;
           acc_t* s = s_buf.data();
-          acc_t* o_blk = o_acc.data() + r0 * Ev;
-          cpu::gemm(m, nq, E, scale, qc + r0 * ldq, ldq, 1, k_t, n, acc_t(0), s, nq);  // S = scale Q K^T
+          acc_t* o_blk = o_acc.data() + r0 * ldo;
+          const int64_t lds = amx ? round32(nq) : nq;  // S row stride
+          if (amx) {  // S = Q K^T on tiles, then the scale
+            if constexpr (std::is_same_v<acc_t, float>) {
+              cpu::amx_gemm_bf16(round32(m), lds, e_pad, q_bf.data() + r0 * e_pad, e_pad, k_bf.data(),
+                                 2 * round32(n), s, lds, false);
+              for (int64_t r = 0; r < m; ++r) Ops::scale(s + r * lds, nq, scale);
+            }
+          } else {
+            cpu::gemm(m, nq, E, scale, qc + r0 * ldq, ldq, 1, k_t, n, acc_t(0), s, nq);  // S = scale Q K^T
+          }
           for (int64_t r = 0; r < m; ++r) {
-            acc_t* srow = s + r * nq;
+            acc_t* srow = s + r * lds;
             const int64_t i = i0 + r;
             acc_t& rmax = row_max[r0 + r];
             mask_row<scalar_t>(p, b, h, i, j0, nq, srow);
@@ -302,13 +389,20 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
             const acc_t sum = Ops::exp_sub_sum(srow, nq, new_max);
             row_sum[r0 + r] = row_sum[r0 + r] * alpha + sum;
             rmax = new_max;
-            if (alpha != acc_t(1)) Ops::scale(o_blk + r * Ev, Ev, alpha);
+            if (alpha != acc_t(1)) Ops::scale(o_blk + r * ldo, Ev, alpha);
             if (p.dropout.enabled()) {
               dropout_keep_row_cpu(p.dropout, dropout_row_id(p, b, h, i), j0, nq, keep.data());
               for (int64_t c = 0; c < nq; ++c) srow[c] = keep[c] ? srow[c] * rescale : acc_t(0);
             }
           }
-          cpu::gemm(m, Ev, nq, acc_t(1), s, nq, 1, vt, ldv, acc_t(1), o_blk, Ev);  // O += P V
+          if (amx) {  // O += P V on tiles, P rounded to bfloat16
+            if constexpr (std::is_same_v<acc_t, float>) {
+              cpu::amx_pack_float_rows(s, lds, m, nq, round32(m), lds, p_bf.data());
+              cpu::amx_gemm_bf16(round32(m), ev_pad, lds, p_bf.data(), lds, v_bf.data(), 2 * ev_pad, o_blk, ldo, true);
+            }
+          } else {
+            cpu::gemm(m, Ev, nq, acc_t(1), s, nq, 1, vt, ldv, acc_t(1), o_blk, Ev);  // O += P V
+          }
         }
       }
 
@@ -317,7 +411,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
         const acc_t l = row_sum[r];
         const acc_t inv = l > acc_t(0) ? acc_t(1) / l : acc_t(0);
         scalar_t* orow = out + b * p.out_stride.b + h * p.out_stride.h + i * p.out_stride.row;
-        const acc_t* arow = o_acc.data() + r * Ev;
+        const acc_t* arow = o_acc.data() + r * ldo;
         for (int64_t e = 0; e < Ev; ++e) orow[e * p.out_stride.col] = static_cast<scalar_t>(arow[e] * inv);
         // l is 0 only when every key of the row is masked: lse = -inf there.
         // A NaN anywhere in the row's scores makes l, and so lse, NaN.
