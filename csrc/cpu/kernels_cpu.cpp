@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -421,6 +422,52 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   });
 }
 
+namespace {
+
+// The bfloat16 backward's operands on AMX (one per thread): Q and dO of a
+// head as rows (A) and as pair rows (B), the key tile's K and V as
+// transposed pairs (B of S and dP) and K as pair rows (B of dQ), the block's
+// P^T, dS and dS^T in bfloat16 (A), and float dK / dV of the tile; all
+// zero-padded to multiples of 32.
+struct AmxBwdBuffers {
+  int64_t e_pad = 0, ev_pad = 0;
+  std::vector<uint16_t> q_rows, q_pairs, do_rows, do_pairs, k_tp, v_tp, k_pairs, a_bf;
+  std::vector<float> tr, dk_tile, dv_tile;
+
+  AmxBwdBuffers(int64_t L, int64_t E, int64_t Ev) : e_pad(round32(E)), ev_pad(round32(Ev)) {
+    const int64_t lp = round32(L);
+    q_rows.resize(lp * e_pad);
+    q_pairs.resize(lp * e_pad);
+    do_rows.resize(lp * ev_pad);
+    do_pairs.resize(lp * ev_pad);
+    k_tp.resize(e_pad * kBlockN);
+    v_tp.resize(ev_pad * kBlockN);
+    k_pairs.resize(kBlockN * e_pad);
+    a_bf.resize(kBlockM * kBlockN);
+    tr.resize(kBlockM * kBlockN);
+    dk_tile.resize(kBlockN * e_pad);
+    dv_tile.resize(kBlockN * ev_pad);
+  }
+
+  // rows and pair rows of a head's (L x D) strided matrix
+  static void pack_head(const c10::BFloat16* src, int64_t rs, int64_t cs, int64_t L, int64_t D, int64_t d_pad,
+                        uint16_t* rows, uint16_t* pairs) {
+    const int64_t lp = round32(L);
+    pack_a_bf16(src, rs, cs, L, D, lp, d_pad, rows);
+    cpu::amx_pack_row_pairs(rows, d_pad, L, D, lp, d_pad, 2 * d_pad, pairs);
+  }
+
+  // C (+)= A^T B where A is a float (m x nq) block: transposed into bfloat16 first
+  void gemm_at(const float* a, int64_t lda, int64_t m, int64_t nq, const uint16_t* b_pairs, int64_t n_out,
+               float* c, int64_t ldc) {
+    cpu::transpose(a, lda, m, nq, tr.data());  // (nq x m), row stride m
+    cpu::amx_pack_float_rows(tr.data(), m, nq, m, round32(nq), round32(m), a_bf.data());
+    cpu::amx_gemm_bf16(round32(nq), n_out, round32(m), a_bf.data(), round32(m), b_pairs, 2 * n_out, c, ldc, true);
+  }
+};
+
+}  // namespace
+
 template <typename scalar_t>
 void attention_bwd_kernel(const AttentionBwdParams& p) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -440,6 +487,10 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   acc_t* dk_all = static_cast<acc_t*>(p.grad_k);
   acc_t* dv_all = static_cast<acc_t*>(p.grad_v);
   acc_t* dmask_all = static_cast<acc_t*>(p.grad_mask);
+  // bfloat16 on AMX: the five products on the tile unit (AmxBwdBuffers)
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  const bool amx = kBf16 && cpu::active_isa() == cpu::Isa::kAmx;
+  const int64_t ldq_acc = amx ? round32(E) : E;  // dQ accumulator row stride
 
   // Work item: (batch, query head). Key/value tiles are the outer loop, so K,
   // K^T and V^T are packed once per tile; dK and dV of the tile accumulate over
@@ -448,7 +499,8 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
     std::vector<acc_t> q_buf, do_buf;  // whole-head copies, only when the input needs packing
     if (tile_needs_pack<scalar_t, acc_t>(p.q_stride.col)) q_buf.resize(L * E);
     if (tile_needs_pack<scalar_t, acc_t>(p.grad_out_stride.col)) do_buf.resize(L * Ev);
-    std::vector<acc_t> o_buf(kBlockM * Ev), row_d(L), dq_acc(L * E);
+    std::vector<acc_t> o_buf(kBlockM * Ev), row_d(L), dq_acc((amx ? round32(L) : L) * ldq_acc);
+    std::unique_ptr<AmxBwdBuffers> ab(amx ? new AmxBwdBuffers(L, E, Ev) : nullptr);
     std::vector<acc_t> k_buf(kBlockN * E), kt_buf(kBlockN * E), vt_buf(kBlockN * Ev);
     std::vector<acc_t> p_buf(kBlockM * kBlockN), dp_buf(kBlockM * kBlockN);
     std::vector<uint8_t> keep(kBlockN);
@@ -473,6 +525,14 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
         for (int64_t r = 0; r < m; ++r) row_d[i0 + r] = Ops::dot(doh + (i0 + r) * lddo, ot + r * ldo, Ev);
       }
       const acc_t* lse_h = lse + (b * H + h) * L;
+      if constexpr (kBf16) {
+        if (amx) {
+          AmxBwdBuffers::pack_head(q + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row, p.q_stride.col, L, E,
+                                   ab->e_pad, ab->q_rows.data(), ab->q_pairs.data());
+          AmxBwdBuffers::pack_head(dout + b * p.grad_out_stride.b + h * p.grad_out_stride.h, p.grad_out_stride.row,
+                                   p.grad_out_stride.col, L, Ev, ab->ev_pad, ab->do_rows.data(), ab->do_pairs.data());
+        }
+      }
 
       for (int64_t j0 = 0; j0 < S; j0 += kBlockN) {
         const int64_t n = std::min(kBlockN, S - j0);
@@ -480,9 +540,19 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
         const acc_t* kt = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
         acc_t* k_t = kt_buf.data();  // K^T, (E x n)
         acc_t* v_t = vt_buf.data();  // V^T, (Ev x n)
+        const scalar_t* v_tile = v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row;
         load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_t);
-        load_tile_transposed(v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row,
-                             p.v_stride.row, p.v_stride.col, n, Ev, v_t);
+        load_tile_transposed(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, v_t);
+        const int64_t n32 = round32(n);
+        if constexpr (kBf16) {
+          if (amx) {
+            pack_kt_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, n32, ab->e_pad, ab->k_tp.data());
+            pack_kt_pairs(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, n32, ab->ev_pad, ab->v_tp.data());
+            pack_v_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, n32, ab->e_pad, ab->k_pairs.data());
+            std::fill(ab->dk_tile.begin(), ab->dk_tile.begin() + n32 * ab->e_pad, 0.f);
+            std::fill(ab->dv_tile.begin(), ab->dv_tile.begin() + n32 * ab->ev_pad, 0.f);
+          }
+        }
         // causal: rows before j0 see none of this tile
         const int64_t first_row = p.is_causal ? (j0 / kBlockM) * kBlockM : 0;
         for (int64_t i0 = first_row; i0 < L; i0 += kBlockM) {
@@ -493,12 +563,23 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
           const acc_t* dot = doh + i0 * lddo;
           acc_t* pt = p_buf.data();
           acc_t* dpt = dp_buf.data();
-          cpu::gemm(m, nq, E, scale, qt, ldq, 1, k_t, n, acc_t(0), pt, nq);      // S = scale Q K^T
-          cpu::gemm(m, nq, Ev, acc_t(1), dot, lddo, 1, v_t, n, acc_t(0), dpt, nq);  // dP = dO V^T
+          const int64_t lds = amx ? round32(nq) : nq;  // P and dP row stride
+          if (amx) {
+            if constexpr (std::is_same_v<acc_t, float>) {
+              cpu::amx_gemm_bf16(round32(m), lds, ab->e_pad, ab->q_rows.data() + i0 * ab->e_pad, ab->e_pad,
+                                 ab->k_tp.data(), 2 * n32, pt, lds, false);  // S = Q K^T
+              for (int64_t r = 0; r < m; ++r) Ops::scale(pt + r * lds, nq, scale);
+              cpu::amx_gemm_bf16(round32(m), lds, ab->ev_pad, ab->do_rows.data() + i0 * ab->ev_pad, ab->ev_pad,
+                                 ab->v_tp.data(), 2 * n32, dpt, lds, false);  // dP = dO V^T
+            }
+          } else {
+            cpu::gemm(m, nq, E, scale, qt, ldq, 1, k_t, n, acc_t(0), pt, nq);      // S = scale Q K^T
+            cpu::gemm(m, nq, Ev, acc_t(1), dot, lddo, 1, v_t, n, acc_t(0), dpt, nq);  // dP = dO V^T
+          }
           for (int64_t r = 0; r < m; ++r) {
             const int64_t i = i0 + r;
-            acc_t* prow = pt + r * nq;
-            acc_t* dprow = dpt + r * nq;
+            acc_t* prow = pt + r * lds;
+            acc_t* dprow = dpt + r * lds;
             if (lse_h[i] == kNegInf) {  // fully masked row: P = 0, no gradient
               std::fill(prow, prow + nq, acc_t(0));
               std::fill(dprow, dprow + nq, acc_t(0));
@@ -521,13 +602,34 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
               std::copy(dprow, dprow + nq, gm);
             }
           }
-          cpu::gemm(nq, Ev, m, acc_t(1), pt, 1, nq, dot, lddo, acc_t(1), dv + j0 * Ev, Ev);  // dV += P~^T dO
-          cpu::gemm(m, E, nq, scale, dpt, nq, 1, kt, ldk, acc_t(1), dq_acc.data() + i0 * E, E);  // dQ += scale dS K
-          cpu::gemm(nq, E, m, scale, dpt, 1, nq, qt, ldq, acc_t(1), dk + j0 * E, E);  // dK += scale dS^T Q
+          if (amx) {
+            if constexpr (std::is_same_v<acc_t, float>) {
+              ab->gemm_at(pt, lds, m, nq, ab->do_pairs.data() + i0 * ab->ev_pad, ab->ev_pad, ab->dv_tile.data(),
+                          ab->ev_pad);  // dV += P~^T dO
+              for (int64_t r = 0; r < m; ++r) Ops::scale(dpt + r * lds, nq, scale);  // scale dS for dQ and dK
+              cpu::amx_pack_float_rows(dpt, lds, m, nq, round32(m), lds, ab->a_bf.data());
+              cpu::amx_gemm_bf16(round32(m), ab->e_pad, lds, ab->a_bf.data(), lds, ab->k_pairs.data(), 2 * ab->e_pad,
+                                 dq_acc.data() + i0 * ldq_acc, ldq_acc, true);  // dQ += scale dS K
+              ab->gemm_at(dpt, lds, m, nq, ab->q_pairs.data() + i0 * ab->e_pad, ab->e_pad, ab->dk_tile.data(),
+                          ab->e_pad);  // dK += scale dS^T Q
+            }
+          } else {
+            cpu::gemm(nq, Ev, m, acc_t(1), pt, 1, nq, dot, lddo, acc_t(1), dv + j0 * Ev, Ev);  // dV += P~^T dO
+            cpu::gemm(m, E, nq, scale, dpt, nq, 1, kt, ldk, acc_t(1), dq_acc.data() + i0 * E, E);  // dQ += scale dS K
+            cpu::gemm(nq, E, m, scale, dpt, 1, nq, qt, ldq, acc_t(1), dk + j0 * E, E);  // dK += scale dS^T Q
+          }
+        }
+        if (amx) {  // the tile's dK and dV, unpadded
+          for (int64_t j = 0; j < n; ++j) {
+            std::copy(ab->dk_tile.begin() + j * ab->e_pad, ab->dk_tile.begin() + j * ab->e_pad + E, dk + (j0 + j) * E);
+            std::copy(ab->dv_tile.begin() + j * ab->ev_pad, ab->dv_tile.begin() + j * ab->ev_pad + Ev,
+                      dv + (j0 + j) * Ev);
+          }
         }
       }
       scalar_t* dq_rows = dq_out + (b * H + h) * L * E;
-      for (int64_t x = 0; x < L * E; ++x) dq_rows[x] = static_cast<scalar_t>(dq_acc[x]);
+      for (int64_t i = 0; i < L; ++i)
+        for (int64_t e = 0; e < E; ++e) dq_rows[i * E + e] = static_cast<scalar_t>(dq_acc[i * ldq_acc + e]);
     }
   });
 }
