@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/randint.h>
 #include <ATen/ops/zeros.h>
 
 #include <cmath>
@@ -15,6 +16,11 @@
 #include <vector>
 
 namespace mha_ext {
+
+// A fresh (seed, offset) from torch's default CPU generator.
+inline at::Tensor draw_cpu_rng_state() {
+  return at::randint(0, int64_t(1) << 62, {2}, at::TensorOptions().dtype(at::kLong));
+}
 
 // (N..., X, Y, Z) -> (B, X, Y, Z) without a copy when the batch dims collapse,
 // which covers contiguous, transposed-inner and expanded inputs.

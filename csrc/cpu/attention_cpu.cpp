@@ -11,7 +11,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/randint.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -51,10 +50,6 @@ void sum_to_shape(const acc_t* full, at::IntArrayRef full_sizes, acc_t* red,
   }
 }
 
-at::Tensor draw_rng_state() {
-  return at::randint(0, int64_t(1) << 62, {2}, at::TensorOptions().dtype(at::kLong));
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_fwd_cpu(
     const at::Tensor& query,  // (N..., Hq, L, E), any strides
     const at::Tensor& key,    // (N..., Hkv, S, E), any strides
@@ -63,7 +58,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_fwd_cpu(
     double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa,
     const std::optional<at::Tensor>& rng_state) {  // int64 (seed, offset), CPU
   ForwardCall c = prepare_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                  rng_state, [](const AttentionShape&) {}, draw_rng_state);
+                                  rng_state, [](const AttentionShape&) {}, draw_cpu_rng_state);
   if (!c.has_rows) return {c.out, c.lse, c.rng_state};
   const AttentionFwdParams& p = c.p;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(),

@@ -507,11 +507,12 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   // the query blocks, dQ of the whole head in an O(L) float buffer.
   at::parallel_for(0, p.batch * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> q_buf, do_buf;  // whole-head copies, only when the input needs packing
-    if (tile_needs_pack<scalar_t, acc_t>(p.q_stride.col)) q_buf.resize(L * E);
+    // (on AMX the products read AmxBwdBuffers; dO is still read as acc_t for D)
+    if (!amx && tile_needs_pack<scalar_t, acc_t>(p.q_stride.col)) q_buf.resize(L * E);
     if (tile_needs_pack<scalar_t, acc_t>(p.grad_out_stride.col)) do_buf.resize(L * Ev);
     std::vector<acc_t> o_buf(kBlockM * Ev), row_d(L), dq_acc((amx ? round32(L) : L) * ldq_acc);
     std::unique_ptr<AmxBwdBuffers> ab(amx ? new AmxBwdBuffers(L, E, Ev) : nullptr);
-    std::vector<acc_t> k_buf(kBlockN * E), kt_buf(kBlockN * E), vt_buf(kBlockN * Ev);
+    std::vector<acc_t> k_buf(amx ? 0 : kBlockN * E), kt_buf(amx ? 0 : kBlockN * E), vt_buf(amx ? 0 : kBlockN * Ev);
     std::vector<acc_t> p_buf(kBlockM * kBlockN), dp_buf(kBlockM * kBlockN);
     std::vector<uint8_t> keep(kBlockN);
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -522,8 +523,9 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
       std::fill(dv, dv + S * Ev, acc_t(0));
       std::fill(dq_acc.begin(), dq_acc.end(), acc_t(0));
       int64_t ldq = 0, lddo = 0, ldo = 0, ldk = 0;
-      const acc_t* qh = load_tile(q + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row,
-                                  p.q_stride.col, L, E, q_buf.data(), &ldq);
+      const acc_t* qh = amx ? nullptr
+                            : load_tile(q + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row, p.q_stride.col,
+                                        L, E, q_buf.data(), &ldq);
       const acc_t* doh =
           load_tile(dout + b * p.grad_out_stride.b + h * p.grad_out_stride.h,
                     p.grad_out_stride.row, p.grad_out_stride.col, L, Ev, do_buf.data(), &lddo);
@@ -547,12 +549,15 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
       for (int64_t j0 = 0; j0 < S; j0 += kBlockN) {
         const int64_t n = std::min(kBlockN, S - j0);
         const scalar_t* k_tile = k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row;
-        const acc_t* kt = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
+        const scalar_t* v_tile = v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row;
+        const acc_t* kt = nullptr;
         acc_t* k_t = kt_buf.data();  // K^T, (E x n)
         acc_t* v_t = vt_buf.data();  // V^T, (Ev x n)
-        const scalar_t* v_tile = v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row;
-        load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_t);
-        load_tile_transposed(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, v_t);
+        if (!amx) {
+          kt = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
+          load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_t);
+          load_tile_transposed(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, v_t);
+        }
         const int64_t n32 = round32(n);
         if constexpr (kBf16) {
           if (amx) {
@@ -569,7 +574,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
           const int64_t m = std::min(kBlockM, L - i0);
           const int64_t nq = std::min(n, visible_kv_end(p, i0, m) - j0);
           if (nq <= 0) continue;
-          const acc_t* qt = qh + i0 * ldq;
+          const acc_t* qt = amx ? nullptr : qh + i0 * ldq;
           const acc_t* dot = doh + i0 * lddo;
           acc_t* pt = p_buf.data();
           acc_t* dpt = dp_buf.data();

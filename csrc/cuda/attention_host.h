@@ -15,7 +15,6 @@
 #include <ATen/ops/div.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
-#include <ATen/ops/randint.h>
 #include <ATen/ExpandUtils.h>
 #include <ATen/ops/zeros.h>
 
@@ -126,7 +125,7 @@ inline at::Tensor draw_rng_state(const at::Tensor& query, int64_t len_kv) {
 #else
   (void)query;
   (void)len_kv;
-  return at::randint(0, int64_t(1) << 62, {2}, at::TensorOptions().dtype(at::kLong));
+  return draw_cpu_rng_state();
 #endif
 }
 
