@@ -221,35 +221,35 @@ __attribute__((target("avx2,fma"))) void gemm_avx2(int64_t M, int64_t N, int64_t
 
 // ---- row primitives --------------------------------------------------------
 
-// exp(x) for x <= ~88: round(x / ln 2) = n, r = x - n ln 2 in [-ln2/2, ln2/2],
-// e^r by its degree-7 Taylor polynomial (relative error < 1e-8 there), times
-// 2^n assembled in the exponent bits. Below -87 the result is 0 (no
-// denormals), NaN stays NaN.
-constexpr float kExpLo = -87.0f, kExpHi = 88.0f;
-constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+// 2^x: n = round(x), r = x - n in [-1/2, 1/2], 2^r by a degree-6 polynomial
+// (least-squares fit in relative error, 2e-9 in exact arithmetic, 8e-8 =
+// 0.7 ulp evaluated in float), times 2^n. Below -125 the result is 0 (no
+// denormals reach the products that follow), above 128 inf, NaN stays NaN.
+// The kernels keep float scores in base 2 (times log2 e, folded into the
+// product's alpha), which saves the multiply and the two-part ln 2 reduction
+// of a natural exp.
+constexpr float kExp2Lo = -125.0f, kExp2Hi = 128.0f;
 constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound - kRound rounds to nearest
-constexpr float kC7 = 1.9841270e-4f, kC6 = 1.3888889e-3f, kC5 = 8.3333333e-3f, kC4 = 4.1666667e-2f,
-                kC3 = 1.6666667e-1f, kC2 = 0.5f;
+constexpr float kP6 = 1.5353362e-4f, kP5 = 1.3398875e-3f, kP4 = 9.6184369e-3f, kP3 = 5.5503324e-2f,
+                kP2 = 0.24022648f, kP1 = 0.69314718f;
 
-inline float exp_scalar(float x) {
-  const float xc = x < kExpLo ? kExpLo : (x > kExpHi ? kExpHi : x);
-  const float n = (xc * kLog2e + kRound) - kRound;
-  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
-  float p = kC7;
-  p = p * r + kC6;
-  p = p * r + kC5;
-  p = p * r + kC4;
-  p = p * r + kC3;
-  p = p * r + kC2;
+inline float exp2_scalar(float x) {
+  if (x != x) return x;
+  if (x < kExp2Lo) return 0.0f;
+  const float xc = x > kExp2Hi ? kExp2Hi : x;
+  const float n = (xc + kRound) - kRound;
+  const float r = xc - n;
+  float p = kP6;
+  p = p * r + kP5;
+  p = p * r + kP4;
+  p = p * r + kP3;
+  p = p * r + kP2;
+  p = p * r + kP1;
   p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // n = 128: the bits of inf
   float two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
-  float y = p * two_n;
-  y = x < kExpLo ? 0.0f : y;
-  y = x > kExpHi ? std::numeric_limits<float>::infinity() : y;
-  return x != x ? x : y;
+  return p * two_n;
 }
 
 float row_max_generic(const float* x, int64_t n) {
@@ -258,10 +258,10 @@ float row_max_generic(const float* x, int64_t n) {
   return m;
 }
 
-float exp_sub_sum_generic(float* x, int64_t n, float sub) {
+float exp2_sub_sum_generic(float* x, int64_t n, float sub) {
   float s = 0.f;
   for (int64_t i = 0; i < n; ++i) {
-    x[i] = exp_scalar(x[i] - sub);
+    x[i] = exp2_scalar(x[i] - sub);
     s += x[i];
   }
   return s;
@@ -286,36 +286,31 @@ __attribute__((target("avx512f,fma"))) float row_max_avx512(const float* x, int6
   return _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
 }
 
-// The same polynomial; 2^n applied by vscalefps, and lanes below kExpLo
-// zeroed by its mask (no denormals reach the products that follow).
-__attribute__((target("avx512f,fma"))) inline __m512 exp512(__m512 x) {
+// The same polynomial; 2^n applied by vscalefps, lanes below kExp2Lo zeroed
+// by its mask.
+__attribute__((target("avx512f,fma"))) inline __m512 exp2_512(__m512 x) {
   // max/min return their second operand when it is NaN: NaN flows through
-  const __m512 xc = _mm512_min_ps(_mm512_set1_ps(kExpHi), _mm512_max_ps(_mm512_set1_ps(kExpLo), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), xc);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(kC7);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC5));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC4));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC3));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC2));
+  const __m512 xc = _mm512_min_ps(_mm512_set1_ps(kExp2Hi), _mm512_max_ps(_mm512_set1_ps(kExp2Lo - 1.0f), x));
+  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(xc, n);
+  __m512 p = _mm512_set1_ps(kP6);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP5));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP1));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpLo), _CMP_NLT_UQ);  // x >= lo or NaN
-  const __m512 y = _mm512_maskz_scalef_ps(keep, p, n);
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpHi), _CMP_GT_OQ), y,
-                              _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExp2Lo), _CMP_NLT_UQ);  // x >= lo or NaN
+  return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
-__attribute__((target("avx512f,fma"))) float exp_sub_sum_avx512(float* x, int64_t n, float sub) {
+__attribute__((target("avx512f,fma"))) float exp2_sub_sum_avx512(float* x, int64_t n, float sub) {
   const __m512 vs = _mm512_set1_ps(sub);
   __m512 s0 = _mm512_setzero_ps(), s1 = s0;
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    const __m512 y0 = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), vs));
-    const __m512 y1 = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i + 16), vs));
+    const __m512 y0 = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(x + i), vs));
+    const __m512 y1 = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(x + i + 16), vs));
     _mm512_storeu_ps(x + i, y0);
     _mm512_storeu_ps(x + i + 16, y1);
     s0 = _mm512_add_ps(s0, y0);
@@ -323,7 +318,7 @@ __attribute__((target("avx512f,fma"))) float exp_sub_sum_avx512(float* x, int64_
   }
   for (; i < n; i += 16) {
     const __mmask16 k = tail_mask16(n - i);
-    const __m512 y = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vs));
+    const __m512 y = exp2_512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vs));
     _mm512_mask_storeu_ps(x + i, k, y);
     s0 = _mm512_add_ps(s0, _mm512_maskz_mov_ps(k, y));
   }
@@ -331,7 +326,7 @@ __attribute__((target("avx512f,fma"))) float exp_sub_sum_avx512(float* x, int64_
 }
 // 16 x 16 blocks transposed in registers (unpack / shuffle network).
 __attribute__((target("avx512f"))) void transpose_avx512(const float* src, int64_t ld,
-                                                         int64_t rows, int64_t cols, float* dst) {
+                                                         int64_t rows, int64_t cols, float* dst, int64_t ldd) {
   int64_t r0 = 0;
   for (; r0 + 16 <= rows; r0 += 16) {
     int64_t c0 = 0;
@@ -361,13 +356,13 @@ __attribute__((target("avx512f"))) void transpose_avx512(const float* src, int64
         t[i + 12] = _mm512_shuffle_f32x4(u[i + 4], u[i + 12], 0xDD);
       }
       // t[k] now holds column c0 + k of the 16 rows
-      for (int k = 0; k < 16; ++k) _mm512_storeu_ps(dst + (c0 + k) * rows + r0, t[k]);
+      for (int k = 0; k < 16; ++k) _mm512_storeu_ps(dst + (c0 + k) * ldd + r0, t[k]);
     }
     for (; c0 < cols; ++c0)
-      for (int i = 0; i < 16; ++i) dst[c0 * rows + r0 + i] = src[(r0 + i) * ld + c0];
+      for (int i = 0; i < 16; ++i) dst[c0 * ldd + r0 + i] = src[(r0 + i) * ld + c0];
   }
   for (; r0 < rows; ++r0)
-    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r0] = src[r0 * ld + c];
+    for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r0] = src[r0 * ld + c];
 }
 // Philox on 16 counters: 32 x 32 -> 64-bit products of the even lanes come
 // from vpmuludq directly, those of the odd lanes after a 32-bit shift.
@@ -475,12 +470,12 @@ void gemm(int64_t M, int64_t N, int64_t K, double alpha, const double* a, int64_
   gemm_generic<double>(M, N, K, alpha, a, a_rs, a_cs, b, ldb, beta, c, ldc);
 }
 
-void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
+void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
 #if MHA_X86
-  if (active_isa() >= Isa::kAvx512) return transpose_avx512(src, ld, rows, cols, dst);
+  if (active_isa() >= Isa::kAvx512) return transpose_avx512(src, ld, rows, cols, dst, ldd);
 #endif
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * ld + c];
+    for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * ld + c];
 }
 
 void philox_keep64(uint64_t seed, uint64_t row, uint64_t group0, uint32_t threshold, uint8_t* keep) {
@@ -497,11 +492,11 @@ float row_max(const float* x, int64_t n) {
   return row_max_generic(x, n);
 }
 
-float exp_sub_sum(float* x, int64_t n, float sub) {
+float exp2_sub_sum(float* x, int64_t n, float sub) {
 #if MHA_X86
-  if (active_isa() >= Isa::kAvx512) return exp_sub_sum_avx512(x, n, sub);
+  if (active_isa() >= Isa::kAvx512) return exp2_sub_sum_avx512(x, n, sub);
 #endif
-  return exp_sub_sum_generic(x, n, sub);
+  return exp2_sub_sum_generic(x, n, sub);
 }
 
 }  // namespace cpu

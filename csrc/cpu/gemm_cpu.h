@@ -66,10 +66,10 @@ void amx_pack_float_rows(const float* src, int64_t lds, int64_t rows, int64_t co
 void amx_pack_row_pairs(const uint16_t* src, int64_t rs, int64_t n, int64_t cols, int64_t n_pad, int64_t cols_pad,
                         int64_t ld, uint16_t* dst);
 
-// dst[c * rows + r] = src[r * ld + c]: a (rows x cols) tile, transposed and packed
-void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst);
-// x[i] = exp(x[i] - sub) for x[i] - sub <= 88 (NaN stays NaN); returns the sum
-float exp_sub_sum(float* x, int64_t n, float sub);
+// dst[c * ldd + r] = src[r * ld + c]: a (rows x cols) tile, transposed (ldd >= rows)
+void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst, int64_t ldd);
+// x[i] = 2^(x[i] - sub) (0 below -125, NaN stays NaN); returns the sum
+float exp2_sub_sum(float* x, int64_t n, float sub);
 
 }  // namespace cpu
 }  // namespace mha_ext

@@ -58,6 +58,12 @@ constexpr int64_t kChunkM = 256;
 // Row operations. Float: max and exp come from gemm_cpu (intrinsics on
 // AVX-512), the rest are loops cloned per instruction set; double uses plain
 // loops with std::exp.
+//
+// Units of the scores: float kernels keep them in base 2, S2 = log2(e) * S
+// (the factor rides on the product's alpha, a float mask is multiplied by it),
+// so softmax exponentials are 2^x, cheaper than e^x; the logsumexp they
+// return is natural. Double (gradcheck) stays in base e. kUnitsPerNat is the
+// factor, expb / logb the matching exponential and logarithm.
 
 // Max that propagates NaN from b (a NaN score must make its row NaN).
 template <typename T>
@@ -109,8 +115,11 @@ struct RowOps;
 
 template <>
 struct RowOps<float> {
+  static constexpr float kUnitsPerNat = 1.44269504088896341f;  // log2(e)
+  static float expb(float x) { return std::exp2(x); }
+  static float logb(float x) { return std::log2(x); }
   static float max(const float* x, int64_t n) { return cpu::row_max(x, n); }
-  static float exp_sub_sum(float* x, int64_t n, float sub) { return cpu::exp_sub_sum(x, n, sub); }
+  static float exp_sub_sum(float* x, int64_t n, float sub) { return cpu::exp2_sub_sum(x, n, sub); }
   static void scale(float* x, int64_t n, float a) { scale_f(x, n, a); }
   static void softmax_grad(const float* p, float* dp, int64_t n, float d) {
     softmax_grad_f(p, dp, n, d);
@@ -121,6 +130,9 @@ struct RowOps<float> {
 
 template <>
 struct RowOps<double> {
+  static constexpr double kUnitsPerNat = 1.0;
+  static double expb(double x) { return std::exp(x); }
+  static double logb(double x) { return std::log(x); }
   static double max(const double* x, int64_t n) {
     double m = -std::numeric_limits<double>::infinity();
     for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
@@ -179,32 +191,39 @@ const acc_t* load_tile(const scalar_t* base, int64_t row_stride, int64_t col_str
   return buf;
 }
 
-// The transpose of a (rows x cols) strided tile, packed: dst[c * rows + r].
+// Row stride of a transposed (cols x rows) tile that is the B operand of a
+// product: rows + 16. With exactly 256 floats (1 KiB) the rows of a 64-column
+// B panel fall on 16 of the 64 L1 sets and evict each other: a 64 x 256 x 64
+// product ran at 79 GFLOP/s with ldb = 256 and 96 with ldb = 272 (one core).
+inline int64_t transposed_ld(int64_t rows) { return rows + 16; }
+
+// The transpose of a (rows x cols) strided tile: dst[c * ldd + r].
 // Blocks of 16 source rows: their cache lines stay in L1 while each output
 // row segment is written contiguously.
 template <typename scalar_t, typename acc_t>
 void load_tile_transposed(const scalar_t* base, int64_t row_stride, int64_t col_stride,
-                          int64_t rows, int64_t cols, acc_t* dst) {
+                          int64_t rows, int64_t cols, acc_t* dst, int64_t ldd) {
   if constexpr (std::is_same_v<scalar_t, float>) {
-    if (col_stride == 1) return cpu::transpose(base, row_stride, rows, cols, dst);
+    if (col_stride == 1) return cpu::transpose(base, row_stride, rows, cols, dst, ldd);
   }
   constexpr int64_t kRows = 16;
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
     const int64_t nr = std::min(kRows, rows - r0);
     const scalar_t* src = base + r0 * row_stride;
     for (int64_t c = 0; c < cols; ++c) {
-      acc_t* d = dst + c * rows + r0;
+      acc_t* d = dst + c * ldd + r0;
       const scalar_t* sc = src + c * col_stride;
       for (int64_t t = 0; t < nr; ++t) d[t] = static_cast<acc_t>(sc[t * row_stride]);
     }
   }
 }
 
-// Scores of one tile row after scale: adds the float mask or sets -inf where
-// the bool mask is false or the causal rule hides the column.
+// Scores of one tile row after scale: adds the float mask (times `unit`, the
+// scores' units per natural unit) or sets -inf where the bool mask is false or
+// the causal rule hides the column.
 template <typename scalar_t, typename acc_t>
 void mask_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int64_t j0,
-              int64_t n, acc_t* s) {
+              int64_t n, acc_t unit, acc_t* s) {
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   if (p.mask_kind != MaskKind::kNone) {
     const int64_t off = b * p.mask_stride.b + h * p.mask_stride.h + i * p.mask_stride.row +
@@ -215,7 +234,7 @@ void mask_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int6
       for (int64_t c = 0; c < n; ++c) s[c] = m[c * cs] ? s[c] : kNegInf;
     } else {
       const scalar_t* m = static_cast<const scalar_t*>(p.mask) + off;
-      for (int64_t c = 0; c < n; ++c) s[c] += static_cast<acc_t>(m[c * cs]);
+      for (int64_t c = 0; c < n; ++c) s[c] += unit * static_cast<acc_t>(m[c * cs]);
     }
   }
   if (p.is_causal) {
@@ -268,7 +287,7 @@ void pack_kt_pairs(const c10::BFloat16* k, int64_t rs, int64_t cs, int64_t n, in
   const int64_t ld = 2 * n_pad;
   if (cs == 1 && E % 2 == 0 && rs % 2 == 0 && n == n_pad && reinterpret_cast<uintptr_t>(k) % 4 == 0) {
     // the pairs are 32-bit words: a transpose of (n x E / 2) words, bits moved unchanged
-    cpu::transpose(reinterpret_cast<const float*>(k), rs / 2, n, E / 2, reinterpret_cast<float*>(dst));
+    cpu::transpose(reinterpret_cast<const float*>(k), rs / 2, n, E / 2, reinterpret_cast<float*>(dst), n);
     std::fill(dst + (E / 2) * ld, dst + (e_pad / 2) * ld, uint16_t(0));
     return;
   }
@@ -312,7 +331,8 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   const int64_t H = p.heads_q, L = p.len_q, E = p.head_dim, Ev = p.head_dim_v;
   const int64_t G = p.group_size();
   const int64_t n_chunks = (L + kChunkM - 1) / kChunkM;
-  const acc_t scale = static_cast<acc_t>(p.scale);
+  const acc_t unit = Ops::kUnitsPerNat;
+  const acc_t scale = static_cast<acc_t>(p.scale) * unit;  // scores in the kernel's units
   const acc_t rescale = static_cast<acc_t>(p.dropout.rescale);
   const scalar_t* q = static_cast<const scalar_t*>(p.q);
   const scalar_t* k = static_cast<const scalar_t*>(p.k);
@@ -330,7 +350,8 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   // Work item: (batch, head, chunk of kChunkM query rows). A K^T / V tile is
   // packed once per chunk and used by each of its kBlockM-row query blocks.
   at::parallel_for(0, p.batch * H * n_chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> q_buf(amx ? 0 : kChunkM * E), kt_buf(amx ? 0 : kBlockN * E), v_buf(amx ? 0 : kBlockN * Ev);
+    std::vector<acc_t> q_buf(amx ? 0 : kChunkM * E), kt_buf(amx ? 0 : transposed_ld(kBlockN) * E),
+        v_buf(amx ? 0 : kBlockN * Ev);
     std::vector<acc_t> s_buf(kBlockM * kBlockN), o_acc(kChunkM * ldo), row_max(kChunkM),
         row_sum(kChunkM);
     std::vector<uint16_t> q_bf(amx ? kChunkM * e_pad : 0), k_bf(amx ? e_pad * kBlockN : 0),
@@ -356,7 +377,8 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
         const int64_t n = std::min(kBlockN, chunk_kv_end - j0);
         const scalar_t* k_tile = k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row;
         const scalar_t* v_tile = v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row;
-        acc_t* k_t = kt_buf.data();  // K^T, (E x n)
+        acc_t* k_t = kt_buf.data();  // K^T, (E x n), row stride ldkt
+        const int64_t ldkt = transposed_ld(n);
         const acc_t* vt = nullptr;
         if constexpr (kBf16) {
           if (amx) {
@@ -365,7 +387,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
           }
         }
         if (!amx) {
-          load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_t);
+          load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_t, ldkt);
           vt = load_tile(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, v_buf.data(), &ldv);
         }
         for (int64_t r0 = 0; r0 < cm; r0 += kBlockM) {
@@ -382,13 +404,13 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
               for (int64_t r = 0; r < m; ++r) Ops::scale(s + r * lds, nq, scale);
             }
           } else {
-            cpu::gemm(m, nq, E, scale, qc + r0 * ldq, ldq, 1, k_t, n, acc_t(0), s, nq);  // S = scale Q K^T
+            cpu::gemm(m, nq, E, scale, qc + r0 * ldq, ldq, 1, k_t, ldkt, acc_t(0), s, nq);  // S = scale Q K^T
           }
           for (int64_t r = 0; r < m; ++r) {
             acc_t* srow = s + r * lds;
             const int64_t i = i0 + r;
             acc_t& rmax = row_max[r0 + r];
-            mask_row<scalar_t>(p, b, h, i, j0, nq, srow);
+            mask_row<scalar_t>(p, b, h, i, j0, nq, unit, srow);
             acc_t tile_max = Ops::max(srow, nq);
             if (tile_max == kNegInf && has_nan(srow, nq)) tile_max = std::numeric_limits<acc_t>::quiet_NaN();
             const acc_t new_max = nan_max(rmax, tile_max);
@@ -396,7 +418,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
               std::fill(srow, srow + nq, acc_t(0));
               continue;
             }
-            const acc_t alpha = rmax == kNegInf ? acc_t(0) : std::exp(rmax - new_max);
+            const acc_t alpha = rmax == kNegInf ? acc_t(0) : Ops::expb(rmax - new_max);
             const acc_t sum = Ops::exp_sub_sum(srow, nq, new_max);
             row_sum[r0 + r] = row_sum[r0 + r] * alpha + sum;
             rmax = new_max;
@@ -426,7 +448,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
         for (int64_t e = 0; e < Ev; ++e) orow[e * p.out_stride.col] = static_cast<scalar_t>(arow[e] * inv);
         // l is 0 only when every key of the row is masked: lse = -inf there.
         // A NaN anywhere in the row's scores makes l, and so lse, NaN.
-        lse[(b * H + h) * L + i] = l > acc_t(0) ? row_max[r] + std::log(l) : (l == l ? kNegInf : l);
+        lse[(b * H + h) * L + i] = l > acc_t(0) ? (row_max[r] + Ops::logb(l)) / unit : (l == l ? kNegInf : l);
       }
     }
   });
@@ -470,7 +492,7 @@ struct AmxBwdBuffers {
   // C (+)= A^T B where A is a float (m x nq) block: transposed into bfloat16 first
   void gemm_at(const float* a, int64_t lda, int64_t m, int64_t nq, const uint16_t* b_pairs, int64_t n_out,
                float* c, int64_t ldc) {
-    cpu::transpose(a, lda, m, nq, tr.data());  // (nq x m), row stride m
+    cpu::transpose(a, lda, m, nq, tr.data(), m);  // (nq x m), row stride m
     cpu::amx_pack_float_rows(tr.data(), m, nq, m, round32(nq), round32(m), a_bf.data());
     cpu::amx_gemm_bf16(round32(nq), n_out, round32(m), a_bf.data(), round32(m), b_pairs, 2 * n_out, c, ldc, true);
   }
@@ -485,7 +507,9 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   const int64_t H = p.heads_q, L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
   const int64_t G = p.group_size();
-  const acc_t scale = static_cast<acc_t>(p.scale);
+  const acc_t unit = Ops::kUnitsPerNat;
+  const acc_t scale = static_cast<acc_t>(p.scale);  // of dS
+  const acc_t s_scale = scale * unit;               // of S, in the kernel's units
   const acc_t rescale = static_cast<acc_t>(p.dropout.rescale);
   const scalar_t* q = static_cast<const scalar_t*>(p.q);
   const scalar_t* k = static_cast<const scalar_t*>(p.k);
@@ -512,7 +536,8 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
     if (tile_needs_pack<scalar_t, acc_t>(p.grad_out_stride.col)) do_buf.resize(L * Ev);
     std::vector<acc_t> o_buf(kBlockM * Ev), row_d(L), dq_acc((amx ? round32(L) : L) * ldq_acc);
     std::unique_ptr<AmxBwdBuffers> ab(amx ? new AmxBwdBuffers(L, E, Ev) : nullptr);
-    std::vector<acc_t> k_buf(amx ? 0 : kBlockN * E), kt_buf(amx ? 0 : kBlockN * E), vt_buf(amx ? 0 : kBlockN * Ev);
+    std::vector<acc_t> k_buf(amx ? 0 : kBlockN * E), kt_buf(amx ? 0 : transposed_ld(kBlockN) * E),
+        vt_buf(amx ? 0 : transposed_ld(kBlockN) * Ev);
     std::vector<acc_t> p_buf(kBlockM * kBlockN), dp_buf(kBlockM * kBlockN);
     std::vector<uint8_t> keep(kBlockN);
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -551,12 +576,13 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
         const scalar_t* k_tile = k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row;
         const scalar_t* v_tile = v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row;
         const acc_t* kt = nullptr;
-        acc_t* k_t = kt_buf.data();  // K^T, (E x n)
-        acc_t* v_t = vt_buf.data();  // V^T, (Ev x n)
+        acc_t* k_t = kt_buf.data();  // K^T, (E x n), row stride ldt
+        acc_t* v_t = vt_buf.data();  // V^T, (Ev x n), row stride ldt
+        const int64_t ldt = transposed_ld(n);
         if (!amx) {
           kt = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
-          load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_t);
-          load_tile_transposed(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, v_t);
+          load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_t, ldt);
+          load_tile_transposed(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, v_t, ldt);
         }
         const int64_t n32 = round32(n);
         if constexpr (kBf16) {
@@ -583,13 +609,13 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
             if constexpr (std::is_same_v<acc_t, float>) {
               cpu::amx_gemm_bf16(round32(m), lds, ab->e_pad, ab->q_rows.data() + i0 * ab->e_pad, ab->e_pad,
                                  ab->k_tp.data(), 2 * n32, pt, lds, false);  // S = Q K^T
-              for (int64_t r = 0; r < m; ++r) Ops::scale(pt + r * lds, nq, scale);
+              for (int64_t r = 0; r < m; ++r) Ops::scale(pt + r * lds, nq, s_scale);
               cpu::amx_gemm_bf16(round32(m), lds, ab->ev_pad, ab->do_rows.data() + i0 * ab->ev_pad, ab->ev_pad,
                                  ab->v_tp.data(), 2 * n32, dpt, lds, false);  // dP = dO V^T
             }
           } else {
-            cpu::gemm(m, nq, E, scale, qt, ldq, 1, k_t, n, acc_t(0), pt, nq);      // S = scale Q K^T
-            cpu::gemm(m, nq, Ev, acc_t(1), dot, lddo, 1, v_t, n, acc_t(0), dpt, nq);  // dP = dO V^T
+            cpu::gemm(m, nq, E, s_scale, qt, ldq, 1, k_t, ldt, acc_t(0), pt, nq);    // S = scale Q K^T
+            cpu::gemm(m, nq, Ev, acc_t(1), dot, lddo, 1, v_t, ldt, acc_t(0), dpt, nq);  // dP = dO V^T
           }
           for (int64_t r = 0; r < m; ++r) {
             const int64_t i = i0 + r;
@@ -600,8 +626,8 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
               std::fill(dprow, dprow + nq, acc_t(0));
               continue;
             }
-            mask_row<scalar_t>(p, b, h, i, j0, nq, prow);
-            Ops::exp_sub_sum(prow, nq, lse_h[i]);
+            mask_row<scalar_t>(p, b, h, i, j0, nq, unit, prow);
+            Ops::exp_sub_sum(prow, nq, lse_h[i] * unit);
             if (p.dropout.enabled()) {
               // O = sum_j P_j z_j V_j / (1 - p): the gradient wrt P_j is z_j dP_j / (1 - p),
               // and dV takes the dropped, rescaled P.
