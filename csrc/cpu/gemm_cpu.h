@@ -40,11 +40,11 @@ void gemm(int64_t M, int64_t N, int64_t K, double alpha, const double* a, int64_
 // Row primitives of the softmax, on the same run-time instruction-set choice.
 // max over x[0..n) ignoring NaN (-inf for n == 0)
 float row_max(const float* x, int64_t n);
-// Dropout keep bits of 64 consecutive columns starting at column 4 * group0
-// of attention row `row`: keep[t] = word (t % 4) of
+// Dropout keep bits of 64 * blocks consecutive columns starting at column
+// 4 * group0 of attention row `row`: keep[t] = word (t % 4) of
 // Philox4x32-10(seed, counter = (group0 + t / 4, row)) >= threshold
-// (dropout.h's contract, 16 counters at once).
-void philox_keep64(uint64_t seed, uint64_t row, uint64_t group0, uint32_t threshold, uint8_t* keep);
+// (dropout.h's contract, 16 counters a block).
+void philox_keep64(uint64_t seed, uint64_t row, uint64_t group0, uint32_t threshold, int64_t blocks, uint8_t* keep);
 
 // AMX: whether the CPU has AMX-TILE and AMX-BF16 and the kernel lets this
 // process use the tile registers (asked for once, as the Linux ABI requires).

@@ -249,8 +249,10 @@ void dropout_keep_row_cpu(const DropoutParams& d, uint64_t row, int64_t j0, int6
   const int64_t head = std::min<int64_t>(n, (4 - (j0 & 3)) & 3);  // up to a multiple of 4
   if (head > 0) dropout_keep_row(d.seed, d.offset, row, j0, head, d.drop_threshold, keep);
   t = head;
-  for (; t + 64 <= n; t += 64)
-    cpu::philox_keep64(d.seed, row, d.offset + static_cast<uint64_t>((j0 + t) >> 2), d.drop_threshold, keep + t);
+  const int64_t blocks = (n - t) / 64;
+  if (blocks > 0)
+    cpu::philox_keep64(d.seed, row, d.offset + static_cast<uint64_t>((j0 + t) >> 2), d.drop_threshold, blocks, keep + t);
+  t += 64 * blocks;
   if (t < n) dropout_keep_row(d.seed, d.offset, row, j0 + t, n - t, d.drop_threshold, keep + t);
 }
 
