@@ -178,3 +178,17 @@ class TestHostileInputs:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool)
         mask[:, 4] = False
         torch.testing.assert_close(sdpa(q, k, v, attn_mask=mask), R.attention(q, k, v, attn_mask=mask))
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_nan_value_no_query_sees_does_not_leak(self, dtype):
+        # causal with S > L: keys L.. are hidden from every row; NaN values
+        # there (inside the 32-key padding of the bfloat16 tile path) stay out
+        q, k, v = (torch.randn(1, 2, 40, 16, dtype=torch.float64).to(dtype),
+                   torch.randn(1, 2, 50, 16, dtype=torch.float64).to(dtype),
+                   torch.randn(1, 2, 50, 8, dtype=torch.float64).to(dtype))
+        v[..., 44, :] = float("nan")
+        out = sdpa(q, k, v, is_causal=True)
+        v_ref = v.clone()
+        v_ref[..., 44, :] = 0
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out.double(), R.attention(q, k, v_ref, is_causal=True), rtol=tol, atol=tol)

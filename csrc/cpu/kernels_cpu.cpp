@@ -2,7 +2,7 @@
 //
 // Forward: work items are (batch, query head, chunk of kChunkM query rows),
 // spread over threads with at::parallel_for. A chunk streams key/value tiles of
-// kBlockN rows (K^T packed once per tile and chunk); each of its kBlockM-row
+// kBlockN rows (from K^T packed once per head and thread); each of its kBlockM-row
 // query blocks multiplies into a kBlockM x kBlockN score tile, runs the online
 // softmax (running row max and sum) and accumulates its output rows. Extra
 // memory: per-thread tiles plus the O(L) logsumexp per head.
@@ -349,20 +349,38 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   const int64_t e_pad = round32(E), ev_pad = round32(Ev);
   const int64_t ldo = amx ? ev_pad : Ev;  // o_acc row stride
 
-  // Work item: (batch, head, chunk of kChunkM query rows). A K^T / V tile is
-  // packed once per chunk and used by each of its kBlockM-row query blocks.
+  // Work item: (batch, head, chunk of kChunkM query rows). K^T of the whole
+  // key head (on AMX: K and V in the tile unit's pair layouts) is packed when
+  // a thread's item moves to another key head; consecutive items are chunks of
+  // one head, so a head is packed about once per thread rather than once per
+  // chunk (O(S) memory per thread). Each kBlockM-row query block of a chunk
+  // then reads its key/value tile from there.
+  const int64_t S_kv = p.len_kv, s32 = round32(S_kv);
+  const int64_t ldkt = transposed_ld(S_kv);  // K^T row stride
   at::parallel_for(0, p.batch * H * n_chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> q_buf(amx ? 0 : kChunkM * E), kt_buf(amx ? 0 : transposed_ld(kBlockN) * E),
-        v_buf(amx ? 0 : kBlockN * Ev);
+    std::vector<acc_t> q_buf(amx ? 0 : kChunkM * E), kt_head(amx ? 0 : E * ldkt), v_buf(amx ? 0 : kBlockN * Ev);
     std::vector<acc_t> s_buf(kBlockM * kBlockN), o_acc(kChunkM * ldo), row_max(kChunkM),
         row_sum(kChunkM);
-    std::vector<uint16_t> q_bf(amx ? kChunkM * e_pad : 0), k_bf(amx ? e_pad * kBlockN : 0),
-        v_bf(amx ? kBlockN * ev_pad : 0), p_bf(amx ? kBlockM * kBlockN : 0);
+    std::vector<uint16_t> q_bf(amx ? kChunkM * e_pad : 0), k_bf(amx ? e_pad * s32 : 0),
+        v_bf(amx ? s32 * ev_pad : 0), v_edge(amx ? kBlockN * ev_pad : 0), p_bf(amx ? kBlockM * kBlockN : 0);
     std::vector<uint8_t> keep(kBlockN);
+    int64_t packed_head = -1;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t chunk = w % n_chunks, bh = w / n_chunks;
       const int64_t h = bh % H, b = bh / H, hk = h / G;
       const int64_t c0 = chunk * kChunkM, cm = std::min(kChunkM, L - c0);
+      if (b * p.heads_kv + hk != packed_head) {
+        packed_head = b * p.heads_kv + hk;
+        const scalar_t* k_head = k + b * p.k_stride.b + hk * p.k_stride.h;
+        if constexpr (kBf16) {
+          if (amx) {
+            pack_kt_pairs(k_head, p.k_stride.row, p.k_stride.col, S_kv, E, s32, e_pad, k_bf.data());
+            pack_v_pairs(v + b * p.v_stride.b + hk * p.v_stride.h, p.v_stride.row, p.v_stride.col, S_kv, Ev, s32,
+                         ev_pad, v_bf.data());
+          }
+        }
+        if (!amx) load_tile_transposed(k_head, p.k_stride.row, p.k_stride.col, S_kv, E, kt_head.data(), ldkt);
+      }
       int64_t ldq = 0, ldv = 0;
       const scalar_t* q_chunk = q + b * p.q_stride.b + h * p.q_stride.h + c0 * p.q_stride.row;
       const acc_t* qc = nullptr;
@@ -377,21 +395,11 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
       const int64_t chunk_kv_end = visible_kv_end(p, c0, cm);
       for (int64_t j0 = 0; j0 < chunk_kv_end; j0 += kBlockN) {
         const int64_t n = std::min(kBlockN, chunk_kv_end - j0);
-        const scalar_t* k_tile = k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row;
         const scalar_t* v_tile = v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row;
-        acc_t* k_t = kt_buf.data();  // K^T, (E x n), row stride ldkt
-        const int64_t ldkt = transposed_ld(n);
-        const acc_t* vt = nullptr;
-        if constexpr (kBf16) {
-          if (amx) {
-            pack_kt_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, round32(n), e_pad, k_bf.data());
-            pack_v_pairs(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, round32(n), ev_pad, v_bf.data());
-          }
-        }
-        if (!amx) {
-          load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_t, ldkt);
-          vt = load_tile(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, v_buf.data(), &ldv);
-        }
+        const acc_t* k_t = kt_head.data() + j0;  // K^T of the tile, (E x n), row stride ldkt
+        const uint16_t* k_bf_tile = k_bf.data() + 2 * j0;  // AMX: pair rows, 2 s32 per row
+        const uint16_t* v_bf_tile = v_bf.data() + j0 * ev_pad;  // AMX: pair rows from key j0
+        const acc_t* vt = amx ? nullptr : load_tile(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, v_buf.data(), &ldv);
         for (int64_t r0 = 0; r0 < cm; r0 += kBlockM) {
           const int64_t i0 = c0 + r0, m = std::min(kBlockM, cm - r0);
           const int64_t nq = std::min(n, visible_kv_end(p, i0, m) - j0);  // causal: fewer columns
@@ -401,8 +409,8 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
           const int64_t lds = amx ? round32(nq) : nq;  // S row stride
           if (amx) {  // S = Q K^T on tiles, then the scale
             if constexpr (std::is_same_v<acc_t, float>) {
-              cpu::amx_gemm_bf16(round32(m), lds, e_pad, q_bf.data() + r0 * e_pad, e_pad, k_bf.data(),
-                                 2 * round32(n), s, lds, false);
+              cpu::amx_gemm_bf16(round32(m), lds, e_pad, q_bf.data() + r0 * e_pad, e_pad, k_bf_tile, 2 * s32, s,
+                                 lds, false);
               for (int64_t r = 0; r < m; ++r) Ops::scale(s + r * lds, nq, scale);
             }
           } else {
@@ -431,9 +439,14 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
             }
           }
           if (amx) {  // O += P V on tiles, P rounded to bfloat16
-            if constexpr (std::is_same_v<acc_t, float>) {
+            if constexpr (kBf16) {
               cpu::amx_pack_float_rows(s, lds, m, nq, round32(m), lds, p_bf.data());
-              cpu::amx_gemm_bf16(round32(m), ev_pad, lds, p_bf.data(), lds, v_bf.data(), 2 * ev_pad, o_blk, ldo, true);
+              const uint16_t* vb = v_bf_tile;
+              if (lds > nq) {  // ragged edge: the rows past nq must be zero, not the next keys (0 * NaN = NaN)
+                pack_v_pairs(v_tile, p.v_stride.row, p.v_stride.col, nq, Ev, lds, ev_pad, v_edge.data());
+                vb = v_edge.data();
+              }
+              cpu::amx_gemm_bf16(round32(m), ev_pad, lds, p_bf.data(), lds, vb, 2 * ev_pad, o_blk, ldo, true);
             }
           } else {
             cpu::gemm(m, Ev, nq, acc_t(1), s, nq, 1, vt, ldv, acc_t(1), o_blk, Ev);  // O += P V
