@@ -2,6 +2,7 @@
 
 #include "../dropout.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -258,10 +259,10 @@ float row_max_generic(const float* x, int64_t n) {
   return m;
 }
 
-float exp2_sub_sum_generic(float* x, int64_t n, float sub) {
+float exp2_sub_sum_generic(float* x, int64_t n, float mul, float sub) {
   float s = 0.f;
   for (int64_t i = 0; i < n; ++i) {
-    x[i] = exp2_scalar(x[i] - sub);
+    x[i] = exp2_scalar(std::fma(mul, x[i], -sub));
     s += x[i];
   }
   return s;
@@ -304,13 +305,13 @@ __attribute__((target("avx512f,fma"))) inline __m512 exp2_512(__m512 x) {
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
-__attribute__((target("avx512f,fma"))) float exp2_sub_sum_avx512(float* x, int64_t n, float sub) {
-  const __m512 vs = _mm512_set1_ps(sub);
+__attribute__((target("avx512f,fma"))) float exp2_sub_sum_avx512(float* x, int64_t n, float mul, float sub) {
+  const __m512 vs = _mm512_set1_ps(sub), vm = _mm512_set1_ps(mul);
   __m512 s0 = _mm512_setzero_ps(), s1 = s0;
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    const __m512 y0 = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(x + i), vs));
-    const __m512 y1 = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(x + i + 16), vs));
+    const __m512 y0 = exp2_512(_mm512_fmsub_ps(vm, _mm512_loadu_ps(x + i), vs));
+    const __m512 y1 = exp2_512(_mm512_fmsub_ps(vm, _mm512_loadu_ps(x + i + 16), vs));
     _mm512_storeu_ps(x + i, y0);
     _mm512_storeu_ps(x + i + 16, y1);
     s0 = _mm512_add_ps(s0, y0);
@@ -318,7 +319,7 @@ __attribute__((target("avx512f,fma"))) float exp2_sub_sum_avx512(float* x, int64
   }
   for (; i < n; i += 16) {
     const __mmask16 k = tail_mask16(n - i);
-    const __m512 y = exp2_512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), vs));
+    const __m512 y = exp2_512(_mm512_fmsub_ps(vm, _mm512_maskz_loadu_ps(k, x + i), vs));
     _mm512_mask_storeu_ps(x + i, k, y);
     s0 = _mm512_add_ps(s0, _mm512_maskz_mov_ps(k, y));
   }
@@ -525,11 +526,11 @@ float row_max(const float* x, int64_t n) {
   return row_max_generic(x, n);
 }
 
-float exp2_sub_sum(float* x, int64_t n, float sub) {
+float exp2_sub_sum(float* x, int64_t n, float mul, float sub) {
 #if MHA_X86
-  if (active_isa() >= Isa::kAvx512) return exp2_sub_sum_avx512(x, n, sub);
+  if (active_isa() >= Isa::kAvx512) return exp2_sub_sum_avx512(x, n, mul, sub);
 #endif
-  return exp2_sub_sum_generic(x, n, sub);
+  return exp2_sub_sum_generic(x, n, mul, sub);
 }
 
 }  // namespace cpu

@@ -119,7 +119,7 @@ struct RowOps<float> {
   static float expb(float x) { return std::exp2(x); }
   static float logb(float x) { return std::log2(x); }
   static float max(const float* x, int64_t n) { return cpu::row_max(x, n); }
-  static float exp_sub_sum(float* x, int64_t n, float sub) { return cpu::exp2_sub_sum(x, n, sub); }
+  static float exp_sub_sum(float* x, int64_t n, float mul, float sub) { return cpu::exp2_sub_sum(x, n, mul, sub); }
   static void scale(float* x, int64_t n, float a) { scale_f(x, n, a); }
   static void softmax_grad(const float* p, float* dp, int64_t n, float d) {
     softmax_grad_f(p, dp, n, d);
@@ -138,10 +138,10 @@ struct RowOps<double> {
     for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
     return m;
   }
-  static double exp_sub_sum(double* x, int64_t n, double sub) {
+  static double exp_sub_sum(double* x, int64_t n, double mul, double sub) {
     double s = 0.0;
     for (int64_t i = 0; i < n; ++i) {
-      x[i] = std::exp(x[i] - sub);
+      x[i] = std::exp(mul * x[i] - sub);
       s += x[i];
     }
     return s;
@@ -348,6 +348,10 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   const bool amx = kBf16 && cpu::active_isa() == cpu::Isa::kAmx;
   const int64_t e_pad = round32(E), ev_pad = round32(Ev);
   const int64_t ldo = amx ? ev_pad : Ev;  // o_acc row stride
+  // On AMX the products give unscaled scores: without a float mask (added to
+  // scaled scores) and with scale > 0 (so the row max scales with it), the
+  // scale moves into the exponential's argument instead of a pass of its own.
+  const bool fold_scale = amx && p.mask_kind != MaskKind::kFloat && scale > acc_t(0);
 
   // Work item: (batch, head, chunk of kChunkM query rows). K^T of the whole
   // key head (on AMX: K and V in the tile unit's pair layouts) is packed when
@@ -411,7 +415,8 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
             if constexpr (std::is_same_v<acc_t, float>) {
               cpu::amx_gemm_bf16(round32(m), lds, e_pad, q_bf.data() + r0 * e_pad, e_pad, k_bf_tile, 2 * s32, s,
                                  lds, false);
-              for (int64_t r = 0; r < m; ++r) Ops::scale(s + r * lds, nq, scale);
+              if (!fold_scale)
+                for (int64_t r = 0; r < m; ++r) Ops::scale(s + r * lds, nq, scale);
             }
           } else {
             cpu::gemm(m, nq, E, scale, qc + r0 * ldq, ldq, 1, k_t, ldkt, acc_t(0), s, nq);  // S = scale Q K^T
@@ -421,7 +426,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
             const int64_t i = i0 + r;
             acc_t& rmax = row_max[r0 + r];
             mask_row<scalar_t>(p, b, h, i, j0, nq, unit, srow);
-            acc_t tile_max = Ops::max(srow, nq);
+            acc_t tile_max = Ops::max(srow, nq) * (fold_scale ? scale : acc_t(1));
             if (tile_max == kNegInf && has_nan(srow, nq)) tile_max = std::numeric_limits<acc_t>::quiet_NaN();
             const acc_t new_max = nan_max(rmax, tile_max);
             if (new_max == kNegInf) {  // every key so far is masked: P = 0
@@ -429,7 +434,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
               continue;
             }
             const acc_t alpha = rmax == kNegInf ? acc_t(0) : Ops::expb(rmax - new_max);
-            const acc_t sum = Ops::exp_sub_sum(srow, nq, new_max);
+            const acc_t sum = Ops::exp_sub_sum(srow, nq, fold_scale ? scale : acc_t(1), new_max);
             row_sum[r0 + r] = row_sum[r0 + r] * alpha + sum;
             rmax = new_max;
             if (alpha != acc_t(1)) Ops::scale(o_blk + r * ldo, Ev, alpha);
@@ -540,6 +545,8 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   const bool amx = kBf16 && cpu::active_isa() == cpu::Isa::kAmx;
   const int64_t ldq_acc = amx ? round32(E) : E;  // dQ accumulator row stride
+  // S's scale inside the exponential on AMX, as in the forward
+  const bool fold_scale = amx && p.mask_kind != MaskKind::kFloat && s_scale > acc_t(0);
 
   // Work item: (batch, query head). Key/value tiles are the outer loop, so K,
   // K^T and V^T are packed once per tile; dK and dV of the tile accumulate over
@@ -624,7 +631,8 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
             if constexpr (std::is_same_v<acc_t, float>) {
               cpu::amx_gemm_bf16(round32(m), lds, ab->e_pad, ab->q_rows.data() + i0 * ab->e_pad, ab->e_pad,
                                  ab->k_tp.data(), 2 * n32, pt, lds, false);  // S = Q K^T
-              for (int64_t r = 0; r < m; ++r) Ops::scale(pt + r * lds, nq, s_scale);
+              if (!fold_scale)
+                for (int64_t r = 0; r < m; ++r) Ops::scale(pt + r * lds, nq, s_scale);
               cpu::amx_gemm_bf16(round32(m), lds, ab->ev_pad, ab->do_rows.data() + i0 * ab->ev_pad, ab->ev_pad,
                                  ab->v_tp.data(), 2 * n32, dpt, lds, false);  // dP = dO V^T
             }
@@ -642,7 +650,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
               continue;
             }
             mask_row<scalar_t>(p, b, h, i, j0, nq, unit, prow);
-            Ops::exp_sub_sum(prow, nq, lse_h[i] * unit);
+            Ops::exp_sub_sum(prow, nq, fold_scale ? s_scale : acc_t(1), lse_h[i] * unit);
             if (p.dropout.enabled()) {
               // O = sum_j P_j z_j V_j / (1 - p): the gradient wrt P_j is z_j dP_j / (1 - p),
               // and dV takes the dropped, rescaled P.
