@@ -287,19 +287,30 @@ __attribute__((target("avx512f,fma"))) float row_max_avx512(const float* x, int6
   return _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
 }
 
-// The same polynomial; 2^n applied by vscalefps, lanes below kExp2Lo zeroed
-// by its mask.
+// Degree 4 (2.9e-6 relative in float): for probabilities that are rounded to
+// bfloat16 (2^-9) before their product.
+constexpr float kQ4 = 9.58285294e-3f, kQ3 = 5.59064262e-2f, kQ2 = 0.240240991f, kQ1 = 0.693124175f;
+
+// The same polynomial (or the short one); 2^n applied by vscalefps, lanes
+// below kExp2Lo zeroed by its mask.
+template <bool kShort = false>
 __attribute__((target("avx512f,fma"))) inline __m512 exp2_512(__m512 x) {
   // max/min return their second operand when it is NaN: NaN flows through
   const __m512 xc = _mm512_min_ps(_mm512_set1_ps(kExp2Hi), _mm512_max_ps(_mm512_set1_ps(kExp2Lo - 1.0f), x));
   const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_sub_ps(xc, n);
-  __m512 p = _mm512_set1_ps(kP6);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP5));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP2));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP1));
+  __m512 p;
+  if constexpr (kShort) {
+    p = _mm512_fmadd_ps(_mm512_set1_ps(kQ4), r, _mm512_set1_ps(kQ3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kQ2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kQ1));
+  } else {
+    p = _mm512_fmadd_ps(_mm512_set1_ps(kP6), r, _mm512_set1_ps(kP5));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP1));
+  }
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExp2Lo), _CMP_NLT_UQ);  // x >= lo or NaN
   return _mm512_maskz_scalef_ps(keep, p, n);
@@ -325,6 +336,24 @@ __attribute__((target("avx512f,fma"))) float exp2_sub_sum_avx512(float* x, int64
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
 }
+// 2^(mul x - sub) rounded to bfloat16 into dst (zeros from n to n_pad, a
+// multiple of 16), with the short polynomial; the sum is of the float values.
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,fma"))) float exp2_sub_sum_bf16_avx512(
+    const float* x, int64_t n, float mul, float sub, uint16_t* dst, int64_t n_pad) {
+  const __m512 vs = _mm512_set1_ps(sub), vm = _mm512_set1_ps(mul);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i < n; i += 16) {
+    const __mmask16 k = tail_mask16(n - i);
+    const __m512 y = _mm512_maskz_mov_ps(k, exp2_512<true>(_mm512_fmsub_ps(vm, _mm512_maskz_loadu_ps(k, x + i), vs)));
+    sum = _mm512_add_ps(sum, y);
+    const __m256bh h = _mm512_cvtneps_pbh(y);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<const __m256i&>(h));
+  }
+  for (; i < n_pad; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_setzero_si256());
+  return _mm512_reduce_add_ps(sum);
+}
+
 // 16 x 16 blocks transposed in registers (unpack / shuffle network).
 __attribute__((target("avx512f"))) void transpose_avx512(const float* src, int64_t ld,
                                                          int64_t rows, int64_t cols, float* dst, int64_t ldd) {
@@ -524,6 +553,15 @@ float row_max(const float* x, int64_t n) {
   if (active_isa() >= Isa::kAvx512) return row_max_avx512(x, n);
 #endif
   return row_max_generic(x, n);
+}
+
+float amx_exp2_sub_sum_bf16(const float* x, int64_t n, float mul, float sub, uint16_t* dst, int64_t n_pad) {
+#if MHA_X86
+  return exp2_sub_sum_bf16_avx512(x, n, mul, sub, dst, n_pad);
+#else
+  (void)x, (void)n, (void)mul, (void)sub, (void)dst, (void)n_pad;
+  return 0.f;
+#endif
 }
 
 float exp2_sub_sum(float* x, int64_t n, float mul, float sub) {

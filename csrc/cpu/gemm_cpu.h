@@ -60,6 +60,10 @@ void amx_gemm_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t l
 // dst (rows_pad x ld) = bfloat16 (round to nearest even) of src rows x cols
 void amx_pack_float_rows(const float* src, int64_t lds, int64_t rows, int64_t cols, int64_t rows_pad, int64_t ld,
                          uint16_t* dst);
+// P of the AMX forward: dst[i] = bfloat16 of 2^(mul x[i] - sub) for i < n
+// (a degree-4 polynomial, 3e-6 relative before rounding), 0 up to n_pad (a
+// multiple of 16); returns the sum of the unrounded values. x is not written.
+float amx_exp2_sub_sum_bf16(const float* x, int64_t n, float mul, float sub, uint16_t* dst, int64_t n_pad);
 // pair rows of a contiguous-row bfloat16 matrix (n x cols, row stride rs):
 // dst row t (ld bf16) = src[2t][0], src[2t + 1][0], src[2t][1], ...; rows
 // beyond n and columns beyond cols (up to cols_pad) are zero

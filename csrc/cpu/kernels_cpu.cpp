@@ -352,6 +352,8 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   // scaled scores) and with scale > 0 (so the row max scales with it), the
   // scale moves into the exponential's argument instead of a pass of its own.
   const bool fold_scale = amx && p.mask_kind != MaskKind::kFloat && scale > acc_t(0);
+  // and without dropout, the exponential writes P in bfloat16 straight away
+  const bool fuse_p = amx && !p.dropout.enabled();
 
   // Work item: (batch, head, chunk of kChunkM query rows). K^T of the whole
   // key head (on AMX: K and V in the tile unit's pair layouts) is packed when
@@ -431,10 +433,18 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
             const acc_t new_max = nan_max(rmax, tile_max);
             if (new_max == kNegInf) {  // every key so far is masked: P = 0
               std::fill(srow, srow + nq, acc_t(0));
+              if (fuse_p) std::fill(p_bf.begin() + r * lds, p_bf.begin() + (r + 1) * lds, uint16_t(0));
               continue;
             }
             const acc_t alpha = rmax == kNegInf ? acc_t(0) : Ops::expb(rmax - new_max);
-            const acc_t sum = Ops::exp_sub_sum(srow, nq, fold_scale ? scale : acc_t(1), new_max);
+            const acc_t mul = fold_scale ? scale : acc_t(1);
+            acc_t sum;
+            if constexpr (kBf16) {
+              sum = fuse_p ? cpu::amx_exp2_sub_sum_bf16(srow, nq, mul, new_max, p_bf.data() + r * lds, lds)
+                           : Ops::exp_sub_sum(srow, nq, mul, new_max);
+            } else {
+              sum = Ops::exp_sub_sum(srow, nq, mul, new_max);
+            }
             row_sum[r0 + r] = row_sum[r0 + r] * alpha + sum;
             rmax = new_max;
             if (alpha != acc_t(1)) Ops::scale(o_blk + r * ldo, Ev, alpha);
@@ -445,7 +455,11 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
           }
           if (amx) {  // O += P V on tiles, P rounded to bfloat16
             if constexpr (kBf16) {
-              cpu::amx_pack_float_rows(s, lds, m, nq, round32(m), lds, p_bf.data());
+              if (!fuse_p) {
+                cpu::amx_pack_float_rows(s, lds, m, nq, round32(m), lds, p_bf.data());
+              } else if (m < round32(m)) {
+                std::fill(p_bf.begin() + m * lds, p_bf.begin() + round32(m) * lds, uint16_t(0));
+              }
               const uint16_t* vb = v_bf_tile;
               if (lds > nq) {  // ragged edge: the rows past nq must be zero, not the next keys (0 * NaN = NaN)
                 pack_v_pairs(v_tile, p.v_stride.row, p.v_stride.col, nq, Ev, lds, ev_pad, v_edge.data());
