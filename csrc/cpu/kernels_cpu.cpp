@@ -283,13 +283,13 @@ void pack_a_bf16(const c10::BFloat16* src, int64_t rs, int64_t cs, int64_t rows,
 }
 
 // B operand of S = Q K^T from `n` key rows (E columns): pair row t, column j
-// holds K[j][2t], K[j][2t + 1]; (ld_k / 2 pair rows) x (2 n_pad) bits.
+// holds K[j][2t], K[j][2t + 1]; (e_pad / 2 pair rows) x (2 n_pad) bits, row
+// stride ld (even, >= 2 n_pad).
 void pack_kt_pairs(const c10::BFloat16* k, int64_t rs, int64_t cs, int64_t n, int64_t E, int64_t n_pad,
-                   int64_t e_pad, uint16_t* dst) {
-  const int64_t ld = 2 * n_pad;
+                   int64_t e_pad, int64_t ld, uint16_t* dst) {
   if (cs == 1 && E % 2 == 0 && rs % 2 == 0 && n == n_pad && reinterpret_cast<uintptr_t>(k) % 4 == 0) {
     // the pairs are 32-bit words: a transpose of (n x E / 2) words, bits moved unchanged
-    cpu::transpose(reinterpret_cast<const float*>(k), rs / 2, n, E / 2, reinterpret_cast<float*>(dst), n);
+    cpu::transpose(reinterpret_cast<const float*>(k), rs / 2, n, E / 2, reinterpret_cast<float*>(dst), ld / 2);
     std::fill(dst + (E / 2) * ld, dst + (e_pad / 2) * ld, uint16_t(0));
     return;
   }
@@ -362,12 +362,16 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   // chunk (O(S) memory per thread). Each kBlockM-row query block of a chunk
   // then reads its key/value tile from there.
   const int64_t S_kv = p.len_kv, s32 = round32(S_kv);
+  // K's pair rows on AMX, 32 bf16 longer than the head: at exactly 2 s32 a
+  // long head put the 16 rows of a tile load 8 KiB apart, all in one L1 set
+  // (the tile loads of S = Q K^T were two thirds of the forward's product time)
+  const int64_t ld_kbf = 2 * s32 + 32;
   const int64_t ldkt = transposed_ld(S_kv);  // K^T row stride
   at::parallel_for(0, p.batch * H * n_chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> q_buf(amx ? 0 : kChunkM * E), kt_head(amx ? 0 : E * ldkt), v_buf(amx ? 0 : kBlockN * Ev);
     std::vector<acc_t> s_buf(kBlockM * kBlockN), o_acc(kChunkM * ldo), row_max(kChunkM),
         row_sum(kChunkM);
-    std::vector<uint16_t> q_bf(amx ? kChunkM * e_pad : 0), k_bf(amx ? e_pad * s32 : 0),
+    std::vector<uint16_t> q_bf(amx ? kChunkM * e_pad : 0), k_bf(amx ? e_pad / 2 * ld_kbf : 0),
         v_bf(amx ? s32 * ev_pad : 0), v_edge(amx ? kBlockN * ev_pad : 0), p_bf(amx ? kBlockM * kBlockN : 0);
     std::vector<uint8_t> keep(kBlockN);
     int64_t packed_head = -1;
@@ -380,7 +384,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
         const scalar_t* k_head = k + b * p.k_stride.b + hk * p.k_stride.h;
         if constexpr (kBf16) {
           if (amx) {
-            pack_kt_pairs(k_head, p.k_stride.row, p.k_stride.col, S_kv, E, s32, e_pad, k_bf.data());
+            pack_kt_pairs(k_head, p.k_stride.row, p.k_stride.col, S_kv, E, s32, e_pad, ld_kbf, k_bf.data());
             pack_v_pairs(v + b * p.v_stride.b + hk * p.v_stride.h, p.v_stride.row, p.v_stride.col, S_kv, Ev, s32,
                          ev_pad, v_bf.data());
           }
@@ -403,7 +407,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
         const int64_t n = std::min(kBlockN, chunk_kv_end - j0);
         const scalar_t* v_tile = v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row;
         const acc_t* k_t = kt_head.data() + j0;  // K^T of the tile, (E x n), row stride ldkt
-        const uint16_t* k_bf_tile = k_bf.data() + 2 * j0;  // AMX: pair rows, 2 s32 per row
+        const uint16_t* k_bf_tile = k_bf.data() + 2 * j0;  // AMX: pair rows, ld_kbf apart
         const uint16_t* v_bf_tile = v_bf.data() + j0 * ev_pad;  // AMX: pair rows from key j0
         const acc_t* vt = amx ? nullptr : load_tile(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, v_buf.data(), &ldv);
         for (int64_t r0 = 0; r0 < cm; r0 += kBlockM) {
@@ -415,7 +419,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
           const int64_t lds = amx ? round32(nq) : nq;  // S row stride
           if (amx) {  // S = Q K^T on tiles, then the scale
             if constexpr (std::is_same_v<acc_t, float>) {
-              cpu::amx_gemm_bf16(round32(m), lds, e_pad, q_bf.data() + r0 * e_pad, e_pad, k_bf_tile, 2 * s32, s,
+              cpu::amx_gemm_bf16(round32(m), lds, e_pad, q_bf.data() + r0 * e_pad, e_pad, k_bf_tile, ld_kbf, s,
                                  lds, false);
               if (!fold_scale)
                 for (int64_t r = 0; r < m; ++r) Ops::scale(s + r * lds, nq, scale);
@@ -623,8 +627,8 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
         const int64_t n32 = round32(n);
         if constexpr (kBf16) {
           if (amx) {
-            pack_kt_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, n32, ab->e_pad, ab->k_tp.data());
-            pack_kt_pairs(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, n32, ab->ev_pad, ab->v_tp.data());
+            pack_kt_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, n32, ab->e_pad, 2 * n32, ab->k_tp.data());
+            pack_kt_pairs(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, n32, ab->ev_pad, 2 * n32, ab->v_tp.data());
             pack_v_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, n32, ab->e_pad, ab->k_pairs.data());
             std::fill(ab->dk_tile.begin(), ab->dk_tile.begin() + n32 * ab->e_pad, 0.f);
             std::fill(ab->dv_tile.begin(), ab->dv_tile.begin() + n32 * ab->ev_pad, 0.f);
