@@ -180,6 +180,20 @@ class TestHostileInputs:
         torch.testing.assert_close(sdpa(q, k, v, attn_mask=mask), R.attention(q, k, v, attn_mask=mask))
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_finfo_min_mask_matches_torch(self, dtype):
+        # padding masks filled with finfo.min (not -inf): a row masked that way
+        # everywhere is a uniform average in torch's softmax, not "fully masked"
+        q, k, v = (torch.randn(2, 3, 9, 16, dtype=torch.float64).to(dtype) for _ in range(3))
+        mask = torch.zeros(9, 9, dtype=dtype)
+        mask[:, 6:] = torch.finfo(dtype).min
+        mask[4] = torch.finfo(dtype).min
+        out = sdpa(q, k, v, attn_mask=mask)
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        torch.testing.assert_close(out[..., 4, :].double(), v.double().mean(-2), rtol=2e-2, atol=2e-2)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out.double(), expected.double(), rtol=tol, atol=tol)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     def test_nan_value_no_query_sees_does_not_leak(self, dtype):
         # causal with S > L: keys L.. are hidden from every row; NaN values
         # there (inside the 32-key padding of the bfloat16 tile path) stay out

@@ -2,7 +2,6 @@
 
 #include "../dropout.h"
 
-#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -225,7 +224,8 @@ __attribute__((target("avx2,fma"))) void gemm_avx2(int64_t M, int64_t N, int64_t
 // 2^x: n = round(x), r = x - n in [-1/2, 1/2], 2^r by a degree-6 polynomial
 // (least-squares fit in relative error, 2e-9 in exact arithmetic, 8e-8 =
 // 0.7 ulp evaluated in float), times 2^n. Below -125 the result is 0 (no
-// denormals reach the products that follow), above 128 inf, NaN stays NaN.
+// denormals reach the products that follow), NaN stays NaN; large x gives inf
+// (from 127.5 on in the portable version: the kernels' arguments are <= ~0).
 // The kernels keep float scores in base 2 (times log2 e, folded into the
 // product's alpha), which saves the multiply and the two-part ln 2 reduction
 // of a natural exp.
@@ -234,10 +234,8 @@ constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound - kRound rounds
 constexpr float kP6 = 1.5353362e-4f, kP5 = 1.3398875e-3f, kP4 = 9.6184369e-3f, kP3 = 5.5503324e-2f,
                 kP2 = 0.24022648f, kP1 = 0.69314718f;
 
-inline float exp2_scalar(float x) {
-  if (x != x) return x;
-  if (x < kExp2Lo) return 0.0f;
-  const float xc = x > kExp2Hi ? kExp2Hi : x;
+inline float exp2_scalar(float x) {  // selects, no branches: the loop vectorises
+  const float xc = x < kExp2Lo ? kExp2Lo : (x > kExp2Hi ? kExp2Hi : x);
   const float n = (xc + kRound) - kRound;
   const float r = xc - n;
   float p = kP6;
@@ -250,7 +248,8 @@ inline float exp2_scalar(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // n = 128: the bits of inf
   float two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
+  const float y = x < kExp2Lo ? 0.0f : p * two_n;
+  return x != x ? x : y;
 }
 
 float row_max_generic(const float* x, int64_t n) {
@@ -262,7 +261,7 @@ float row_max_generic(const float* x, int64_t n) {
 float exp2_sub_sum_generic(float* x, int64_t n, float mul, float sub) {
   float s = 0.f;
   for (int64_t i = 0; i < n; ++i) {
-    x[i] = exp2_scalar(std::fma(mul, x[i], -sub));
+    x[i] = exp2_scalar(mul * x[i] - sub);  // two roundings here (std::fma is a libm call without FMA)
     s += x[i];
   }
   return s;
@@ -483,7 +482,10 @@ Isa detect_isa() {
 #if MHA_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::kAvx2;
-  if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f")) best = Isa::kAvx512;
+  // the AVX-512 routines also use AVX512BW and BMI2 (Philox, masks)
+  if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("bmi2"))
+    best = Isa::kAvx512;
   if (best == Isa::kAvx512 && amx_bf16_usable()) best = Isa::kAmx;
 #endif
   if (const char* env = std::getenv("MHA_EXT_CPU_ISA")) {

@@ -44,14 +44,14 @@
 namespace mha_ext {
 namespace {
 
-// 64 query rows x 256 key columns: the float score tile is 64 KiB and a K tile
-// of head_dim 64 another 64 KiB, which stay in the 2 MiB L2 next to the Q tile
-// and the output accumulator. kBlockN = 128, 192 and 256 ran within noise of
-// each other here (forward, 2 x 12 heads x 1024 x 64, 2 threads: torch time /
-// ours = 0.82 for each); 256 does half the online-softmax rescales of 128.
+// 64 query rows x 256 key columns: the float score tile is 64 KiB, in the
+// 2 MiB L2 next to the Q chunk, the key/value tile and the output
+// accumulator. kBlockN = 128, 192 and 256 ran within noise of each other here
+// (forward, 2 x 12 heads x 1024 x 64, 2 threads: torch time / ours = 0.82 for
+// each, on an earlier kernel); 256 does half the online-softmax rescales of 128.
 constexpr int64_t kBlockM = 64;
 constexpr int64_t kBlockN = 256;
-// The forward packs each K^T / V tile once for kChunkM query rows (4 blocks).
+// Forward work items are kChunkM query rows (4 blocks) of a head.
 constexpr int64_t kChunkM = 256;
 
 // ---------------------------------------------------------------------------
@@ -95,6 +95,16 @@ MHA_CPU_CLONES void softmax_grad_f(const float* p, float* dp, int64_t n, float d
   for (int64_t i = 0; i < n; ++i) dp[i] = p[i] * (dp[i] - d);
 }
 
+// With dropout, in one pass: dp[i] = p[i] * ((keep[i] ? dp[i] * s : 0) - d),
+// then p[i] = keep[i] ? p[i] * s : 0 (the dropped, rescaled P that dV takes).
+MHA_CPU_CLONES void dropout_softmax_grad_f(float* p, float* dp, const uint8_t* keep, int64_t n, float s, float d) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float pi = p[i];
+    dp[i] = pi * ((keep[i] ? dp[i] * s : 0.f) - d);
+    p[i] = keep[i] ? pi * s : 0.f;
+  }
+}
+
 // kLanes independent partial sums (vertical, so the compiler vectorises them
 // without reassociating), combined at the end.
 constexpr int64_t kLanes = 16;
@@ -125,6 +135,9 @@ struct RowOps<float> {
     softmax_grad_f(p, dp, n, d);
   }
   static void apply_keep(float* x, const uint8_t* keep, int64_t n, float s) { apply_keep_f(x, keep, n, s); }
+  static void dropout_softmax_grad(float* p, float* dp, const uint8_t* keep, int64_t n, float s, float d) {
+    dropout_softmax_grad_f(p, dp, keep, n, s, d);
+  }
   static float dot(const float* a, const float* b, int64_t n) { return dot_f(a, b, n); }
 };
 
@@ -154,6 +167,13 @@ struct RowOps<double> {
   }
   static void apply_keep(double* x, const uint8_t* keep, int64_t n, double s) {
     for (int64_t i = 0; i < n; ++i) x[i] = keep[i] ? x[i] * s : 0.0;
+  }
+  static void dropout_softmax_grad(double* p, double* dp, const uint8_t* keep, int64_t n, double s, double d) {
+    for (int64_t i = 0; i < n; ++i) {
+      const double pi = p[i];
+      dp[i] = pi * ((keep[i] ? dp[i] * s : 0.0) - d);
+      p[i] = keep[i] ? pi * s : 0.0;
+    }
   }
   static double dot(const double* a, const double* b, int64_t n) {
     double s = 0.0;
@@ -233,8 +253,19 @@ void mask_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int6
       const bool* m = static_cast<const bool*>(p.mask) + off;
       for (int64_t c = 0; c < n; ++c) s[c] = m[c * cs] ? s[c] : kNegInf;
     } else {
+      // In base 2 a finite mask value beyond max / log2(e) (finfo.min, as padding
+      // masks use) would overflow to -inf and count as "masked out"; it is
+      // clamped to the largest finite value instead. A row masked everywhere
+      // with finfo.min then stays uniform, as torch's float softmax gives
+      // (finfo.min + s rounds to finfo.min). Values between -max and
+      // -max / log2(e) become equal, where torch would still order them.
+      constexpr acc_t kMax = std::numeric_limits<acc_t>::max();
       const scalar_t* m = static_cast<const scalar_t*>(p.mask) + off;
-      for (int64_t c = 0; c < n; ++c) s[c] += unit * static_cast<acc_t>(m[c * cs]);
+      for (int64_t c = 0; c < n; ++c) {
+        const acc_t mv = static_cast<acc_t>(m[c * cs]);
+        const acc_t u = unit * mv;
+        s[c] += (std::isinf(u) && std::isfinite(mv)) ? (mv < 0 ? -kMax : kMax) : u;
+      }
     }
   }
   if (p.is_causal) {
@@ -417,7 +448,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
           acc_t* s = s_buf.data();
           acc_t* o_blk = o_acc.data() + r0 * ldo;
           const int64_t lds = amx ? round32(nq) : nq;  // S row stride
-          if (amx) {  // S = Q K^T on tiles, then the scale
+          if (amx) {  // S = Q K^T on tiles, then the scale (unless it rides in the exponential)
             if constexpr (std::is_same_v<acc_t, float>) {
               cpu::amx_gemm_bf16(round32(m), lds, e_pad, q_bf.data() + r0 * e_pad, e_pad, k_bf_tile, ld_kbf, s,
                                  lds, false);
@@ -425,7 +456,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
                 for (int64_t r = 0; r < m; ++r) Ops::scale(s + r * lds, nq, scale);
             }
           } else {
-            cpu::gemm(m, nq, E, scale, qc + r0 * ldq, ldq, 1, k_t, ldkt, acc_t(0), s, nq);  // S = scale Q K^T
+            cpu::gemm(m, nq, E, scale, qc + r0 * ldq, ldq, 1, k_t, ldkt, acc_t(0), s, nq);  // S2 = log2(e) scale Q K^T
           }
           for (int64_t r = 0; r < m; ++r) {
             acc_t* srow = s + r * lds;
@@ -655,7 +686,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
                                  ab->v_tp.data(), 2 * n32, dpt, lds, false);  // dP = dO V^T
             }
           } else {
-            cpu::gemm(m, nq, E, s_scale, qt, ldq, 1, k_t, ldt, acc_t(0), pt, nq);    // S = scale Q K^T
+            cpu::gemm(m, nq, E, s_scale, qt, ldq, 1, k_t, ldt, acc_t(0), pt, nq);    // S2 = log2(e) scale Q K^T
             cpu::gemm(m, nq, Ev, acc_t(1), dot, lddo, 1, v_t, ldt, acc_t(0), dpt, nq);  // dP = dO V^T
           }
           for (int64_t r = 0; r < m; ++r) {
@@ -673,9 +704,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
               // O = sum_j P_j z_j V_j / (1 - p): the gradient wrt P_j is z_j dP_j / (1 - p),
               // and dV takes the dropped, rescaled P.
               dropout_keep_row_cpu(p.dropout, dropout_row_id(p, b, h, i), j0, nq, keep.data());
-              Ops::apply_keep(dprow, keep.data(), nq, rescale);
-              Ops::softmax_grad(prow, dprow, nq, row_d[i]);
-              Ops::apply_keep(prow, keep.data(), nq, rescale);
+              Ops::dropout_softmax_grad(prow, dprow, keep.data(), nq, rescale, row_d[i]);
             } else {
               Ops::softmax_grad(prow, dprow, nq, row_d[i]);
             }
