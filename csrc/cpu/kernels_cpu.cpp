@@ -261,10 +261,11 @@ void mask_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int6
       // -max / log2(e) become equal, where torch would still order them.
       constexpr acc_t kMax = std::numeric_limits<acc_t>::max();
       const scalar_t* m = static_cast<const scalar_t*>(p.mask) + off;
-      for (int64_t c = 0; c < n; ++c) {
+      for (int64_t c = 0; c < n; ++c) {  // compares and selects only (NaN falls through)
         const acc_t mv = static_cast<acc_t>(m[c * cs]);
         const acc_t u = unit * mv;
-        s[c] += (std::isinf(u) && std::isfinite(mv)) ? (mv < 0 ? -kMax : kMax) : u;
+        const acc_t uc = u < -kMax ? -kMax : (u > kMax ? kMax : u);
+        s[c] += (mv < -kMax || mv > kMax) ? mv : uc;  // infinite mask values stay infinite
       }
     }
   }
