@@ -72,8 +72,8 @@ void amx_pack_row_pairs(const uint16_t* src, int64_t rs, int64_t n, int64_t cols
 
 // dst[c * ldd + r] = src[r * ld + c]: a (rows x cols) tile, transposed (ldd >= rows)
 void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst, int64_t ldd);
-// x[i] = 2^(mul x[i] - sub) (0 below -125, NaN stays NaN; the product and
-// difference in one rounding); returns the sum
+// x[i] = 2^(mul x[i] - sub) (0 below -125, NaN stays NaN; on AVX-512 the
+// product and difference in one rounding); returns the sum
 float exp2_sub_sum(float* x, int64_t n, float mul, float sub);
 
 }  // namespace cpu

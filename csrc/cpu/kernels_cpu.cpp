@@ -5,7 +5,8 @@
 // kBlockN rows (from K^T packed once per head and thread); each of its kBlockM-row
 // query blocks multiplies into a kBlockM x kBlockN score tile, runs the online
 // softmax (running row max and sum) and accumulates its output rows. Extra
-// memory: per-thread tiles plus the O(L) logsumexp per head.
+// memory: per-thread tiles and packed key head (O(S)) plus the O(L)
+// logsumexp per head.
 //
 // Backward: work items are (batch, query head). Key/value tiles are the outer
 // loop (K, K^T, V^T packed once per tile), query blocks the inner one; each
@@ -497,7 +498,8 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
                 std::fill(p_bf.begin() + m * lds, p_bf.begin() + round32(m) * lds, uint16_t(0));
               }
               const uint16_t* vb = v_bf_tile;
-              if (lds > nq) {  // ragged edge: the rows past nq must be zero, not the next keys (0 * NaN = NaN)
+              if (lds > nq && j0 + nq < S_kv) {  // ragged edge with keys after it: the rows past nq must be
+                                                 // zero, not those keys (0 * NaN = NaN); past S_kv v_bf is zero
                 pack_v_pairs(v_tile, p.v_stride.row, p.v_stride.col, nq, Ev, lds, ev_pad, v_edge.data());
                 vb = v_edge.data();
               }
