@@ -33,6 +33,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -184,6 +185,25 @@ struct RowOps<double> {
 };
 
 // ---------------------------------------------------------------------------
+// Per-thread buffers start on a cache line (64 bytes): std::vector's storage
+// is only 16-byte aligned, and a misaligned start makes every zmm load of a
+// packed tile span two lines.
+template <typename T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <typename U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* ptr, std::size_t) { ::operator delete(ptr, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const LineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using Buffer = std::vector<T, LineAllocator<T>>;
+
 template <typename scalar_t, typename acc_t>
 constexpr bool tile_needs_pack(int64_t col_stride) {
   return !(std::is_same_v<scalar_t, acc_t> && col_stride == 1);
@@ -213,10 +233,11 @@ const acc_t* load_tile(const scalar_t* base, int64_t row_stride, int64_t col_str
 }
 
 // Row stride of a transposed (cols x rows) tile that is the B operand of a
-// product: rows + 16. With exactly 256 floats (1 KiB) the rows of a 64-column
-// B panel fall on 16 of the 64 L1 sets and evict each other: a 64 x 256 x 64
+// product: rows rounded up to whole cache lines (every row starts on one),
+// plus one line. With exactly 256 floats (1 KiB) the rows of a 64-column B
+// panel fall on 16 of the 64 L1 sets and evict each other: a 64 x 256 x 64
 // product ran at 79 GFLOP/s with ldb = 256 and 96 with ldb = 272 (one core).
-inline int64_t transposed_ld(int64_t rows) { return rows + 16; }
+inline int64_t transposed_ld(int64_t rows) { return (rows + 15) / 16 * 16 + 16; }
 
 // The transpose of a (rows x cols) strided tile: dst[c * ldd + r].
 // Blocks of 16 source rows: their cache lines stay in L1 while each output
@@ -239,6 +260,26 @@ void load_tile_transposed(const scalar_t* base, int64_t row_stride, int64_t col_
   }
 }
 
+// s[c] += the float mask value m[c] in the scores' units (times `unit`),
+// clamped to +-max as in mask_row's generic loop; contiguous mask columns, cloned per
+// instruction set (the generic loop below ran 4 lanes wide and cost a third
+// of a masked forward).
+MHA_CPU_CLONES void add_float_mask_f(float* s, const float* m, int64_t n, float unit) {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  for (int64_t c = 0; c < n; ++c) {
+    const float mv = m[c];
+    const float u = unit * mv;
+    const float uc = u < -kMax ? -kMax : (u > kMax ? kMax : u);
+    s[c] += (mv < -kMax || mv > kMax) ? mv : uc;
+  }
+}
+
+// s[c] = keep[c] ? s[c] : -inf, contiguous bool mask columns
+MHA_CPU_CLONES void apply_bool_mask_f(float* s, const bool* m, int64_t n) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < n; ++c) s[c] = m[c] ? s[c] : kNegInf;
+}
+
 // Scores of one tile row after scale: adds the float mask (times `unit`, the
 // scores' units per natural unit) or sets -inf where the bool mask is false or
 // the causal rule hides the column.
@@ -250,9 +291,17 @@ void mask_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int6
     const int64_t off = b * p.mask_stride.b + h * p.mask_stride.h + i * p.mask_stride.row +
                         j0 * p.mask_stride.col;
     const int64_t cs = p.mask_stride.col;
+    constexpr bool kF32 = std::is_same_v<acc_t, float>;
     if (p.mask_kind == MaskKind::kBool) {
       const bool* m = static_cast<const bool*>(p.mask) + off;
-      for (int64_t c = 0; c < n; ++c) s[c] = m[c * cs] ? s[c] : kNegInf;
+      if (kF32 && cs == 1) {
+        if constexpr (kF32) apply_bool_mask_f(s, m, n);
+      } else {
+        for (int64_t c = 0; c < n; ++c) s[c] = m[c * cs] ? s[c] : kNegInf;
+      }
+    } else if (std::is_same_v<scalar_t, float> && kF32 && cs == 1) {
+      if constexpr (std::is_same_v<scalar_t, float> && kF32)
+        add_float_mask_f(s, static_cast<const float*>(p.mask) + off, n, unit);
     } else {
       // In base 2 a finite mask value beyond max / log2(e) (finfo.min, as padding
       // masks use) would overflow to -inf and count as "masked out"; it is
@@ -401,10 +450,10 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   const int64_t ld_kbf = 2 * s32 + 32;
   const int64_t ldkt = transposed_ld(S_kv);  // K^T row stride
   at::parallel_for(0, p.batch * H * n_chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> q_buf(amx ? 0 : kChunkM * E), kt_head(amx ? 0 : E * ldkt), v_buf(amx ? 0 : kBlockN * Ev);
-    std::vector<acc_t> s_buf(kBlockM * kBlockN), o_acc(kChunkM * ldo), row_max(kChunkM),
+    Buffer<acc_t> q_buf(amx ? 0 : kChunkM * E), kt_head(amx ? 0 : E * ldkt), v_buf(amx ? 0 : kBlockN * Ev);
+    Buffer<acc_t> s_buf(kBlockM * kBlockN), o_acc(kChunkM * ldo), row_max(kChunkM),
         row_sum(kChunkM);
-    std::vector<uint16_t> q_bf(amx ? kChunkM * e_pad : 0), k_bf(amx ? e_pad / 2 * ld_kbf : 0),
+    Buffer<uint16_t> q_bf(amx ? kChunkM * e_pad : 0), k_bf(amx ? e_pad / 2 * ld_kbf : 0),
         v_bf(amx ? s32 * ev_pad : 0), v_edge(amx ? kBlockN * ev_pad : 0), p_bf(amx ? kBlockM * kBlockN : 0);
     std::vector<uint8_t> keep(kBlockN);
     int64_t packed_head = -1;
@@ -535,8 +584,8 @@ namespace {
 // zero-padded to multiples of 32.
 struct AmxBwdBuffers {
   int64_t e_pad = 0, ev_pad = 0;
-  std::vector<uint16_t> q_rows, q_pairs, do_rows, do_pairs, k_tp, v_tp, k_pairs, a_bf;
-  std::vector<float> tr, dk_tile, dv_tile;
+  Buffer<uint16_t> q_rows, q_pairs, do_rows, do_pairs, k_tp, v_tp, k_pairs, a_bf;
+  Buffer<float> tr, dk_tile, dv_tile;
 
   AmxBwdBuffers(int64_t L, int64_t E, int64_t Ev) : e_pad(round32(E)), ev_pad(round32(Ev)) {
     const int64_t lp = round32(L);
@@ -604,15 +653,15 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   // K^T and V^T are packed once per tile; dK and dV of the tile accumulate over
   // the query blocks, dQ of the whole head in an O(L) float buffer.
   at::parallel_for(0, p.batch * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> q_buf, do_buf;  // whole-head copies, only when the input needs packing
+    Buffer<acc_t> q_buf, do_buf;  // whole-head copies, only when the input needs packing
     // (on AMX the products read AmxBwdBuffers; dO is still read as acc_t for D)
     if (!amx && tile_needs_pack<scalar_t, acc_t>(p.q_stride.col)) q_buf.resize(L * E);
     if (tile_needs_pack<scalar_t, acc_t>(p.grad_out_stride.col)) do_buf.resize(L * Ev);
-    std::vector<acc_t> o_buf(kBlockM * Ev), row_d(L), dq_acc((amx ? round32(L) : L) * ldq_acc);
+    Buffer<acc_t> o_buf(kBlockM * Ev), row_d(L), dq_acc((amx ? round32(L) : L) * ldq_acc);
     std::unique_ptr<AmxBwdBuffers> ab(amx ? new AmxBwdBuffers(L, E, Ev) : nullptr);
-    std::vector<acc_t> k_buf(amx ? 0 : kBlockN * E), kt_buf(amx ? 0 : transposed_ld(kBlockN) * E),
+    Buffer<acc_t> k_buf(amx ? 0 : kBlockN * E), kt_buf(amx ? 0 : transposed_ld(kBlockN) * E),
         vt_buf(amx ? 0 : transposed_ld(kBlockN) * Ev);
-    std::vector<acc_t> p_buf(kBlockM * kBlockN), dp_buf(kBlockM * kBlockN);
+    Buffer<acc_t> p_buf(kBlockM * kBlockN), dp_buf(kBlockM * kBlockN);
     std::vector<uint8_t> keep(kBlockN);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t h = bh % H, b = bh / H, hk = h / G;
