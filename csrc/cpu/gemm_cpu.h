@@ -10,8 +10,9 @@
 // count, the alignment or the tile position: results are reproducible (BLAS
 // libraries do not promise that across thread counts). The float paths are an
 // AVX-512 micro-kernel (6 x 64 outputs in 24 zmm accumulators, K in blocks of
-// 64 so the B panel stays in L1; on tile shapes 64x256x64 and 64x64x256 it ran
-// at 96-104 GFLOP/s on one core here, MKL's sgemm at 69-93 in the same run),
+// 128 so the B panel stays in L1; on tile shapes 64x256x64 and 64x64x256 it ran
+// at 96-104 GFLOP/s on one core here with K blocks of 64, MKL's sgemm at 69-93
+// in the same run),
 // an AVX2+FMA one (4 x 16 in 8 ymm, about 44 GFLOP/s) and portable C++;
 // double (the gradcheck path) uses the portable loop.
 // AMX (with AVX-512): bfloat16 tiles multiply on the tile unit instead
