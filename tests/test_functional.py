@@ -85,6 +85,25 @@ def test_masks(mask_name, is_causal, shape):
         torch.testing.assert_close(out[rows], t[rows], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("mask_name", ["bool (L,S)", "float (L,S)", "float (N,H,L,S) with -inf"])
+@pytest.mark.parametrize("shape", [SHAPES[3], SHAPES[4], SHAPES[7]], ids=str)
+def test_masks_float32_match_reference_and_torch(mask_name, shape):
+    # float32 masks go through the vectorised mask rows, and a mask shared by
+    # the heads reorders the forward's work items (several chunks at L = 300)
+    batch, hq, _, L, S, _, _ = shape
+    q, k, v = make(shape, dtype=torch.float32)
+    mask = MASKS[mask_name](batch, hq, L, S)
+    mask = mask if mask.dtype == torch.bool else mask.float()
+    out = sdpa(q, k, v, attn_mask=mask, enable_gqa=gqa_of(shape))
+    ref = R.attention(q.double(), k.double(), v.double(), attn_mask=mask if mask.dtype == torch.bool else mask.double(),
+                      enable_gqa=gqa_of(shape))
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    rows = mask.expand(out.shape[:-1] + (S,)).isfinite().any(-1) if mask.dtype != torch.bool else \
+        mask.expand(out.shape[:-1] + (S,)).any(-1)
+    t = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa_of(shape))
+    torch.testing.assert_close(out[rows], t[rows], rtol=2e-5, atol=2e-5)
+
+
 def test_scale_and_logsumexp():
     q, k, v = make(SHAPES[3])
     mask = torch.rand(q.shape[-2], k.shape[-2]) > 0.2
