@@ -88,8 +88,7 @@ def test_masks(mask_name, is_causal, shape):
 @pytest.mark.parametrize("mask_name", ["bool (L,S)", "float (L,S)", "float (N,H,L,S) with -inf"])
 @pytest.mark.parametrize("shape", [SHAPES[3], SHAPES[4], SHAPES[7]], ids=str)
 def test_masks_float32_match_reference_and_torch(mask_name, shape):
-    # float32 masks go through the vectorised mask rows, and a mask shared by
-    # the heads reorders the forward's work items (several chunks at L = 300)
+    # float32 masks go through the vectorised mask rows
     batch, hq, _, L, S, _, _ = shape
     q, k, v = make(shape, dtype=torch.float32)
     mask = MASKS[mask_name](batch, hq, L, S)

@@ -58,10 +58,11 @@ def test_gradcheck_dropout_fixed_seed():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_backward_matches_reference(dtype, is_causal):
+@pytest.mark.parametrize("mask_shape", [(1, 4, 150, 300), (150, 300)], ids=["per-head mask", "shared mask"])
+def test_backward_matches_reference(dtype, is_causal, mask_shape):
     # several query and key tiles, GQA, E != Ev, strided grad_out
     q, k, v = leaf(2, 4, 150, 32, dtype=dtype), leaf(2, 2, 300, 32, dtype=dtype), leaf(2, 2, 300, 48, dtype=dtype)
-    m = leaf(1, 4, 150, 300, dtype=dtype)
+    m = leaf(*mask_shape, dtype=dtype)
     g = torch.randn(2, 150, 4, 48, dtype=dtype).transpose(1, 2)
     out = sdpa(q, k, v, attn_mask=m, is_causal=is_causal, enable_gqa=True)
     grads = torch.autograd.grad(out, (q, k, v, m), g)
@@ -73,20 +74,47 @@ def test_backward_matches_reference(dtype, is_causal):
         torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("mask_kind", ["float", "bool"])
+def test_large_shared_mask_matches_reference(dtype, is_causal, mask_kind):
+    # a mask shared by the heads and larger than L2 (700 x 800 elements, over
+    # 2 MiB in float32) changes the order of work: the forward runs chunk-major
+    # with heads inner, the backward runs heads in pairs
+    q, k, v = leaf(1, 4, 700, 16, dtype=dtype), leaf(1, 4, 800, 16, dtype=dtype), leaf(1, 4, 800, 8, dtype=dtype)
+    if mask_kind == "float":
+        m = leaf(700, 800, dtype=dtype)
+    else:
+        m = torch.rand(700, 800) > 0.2
+    g = torch.randn(1, 4, 700, 8, dtype=dtype)
+    out = sdpa(q, k, v, attn_mask=m, is_causal=is_causal)
+    ref = R.attention(q, k, v, attn_mask=m, is_causal=is_causal)
+    tol = 1e-9 if dtype == torch.float64 else 2e-4
+    torch.testing.assert_close(out.double(), ref.double(), rtol=tol, atol=tol)
+    inputs = (q, k, v, m) if mask_kind == "float" else (q, k, v)
+    grads = torch.autograd.grad(out, inputs, g)
+    ref_grads = torch.autograd.grad(ref, inputs, g)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_backward_low_precision_no_worse_than_torch(dtype):
+@pytest.mark.parametrize("masked", [False, True], ids=["no mask", "shared mask"])
+def test_backward_low_precision_no_worse_than_torch(dtype, masked):
     import torch.nn.functional as F
     shape_q, shape_kv = (2, 4, 130, 64), (2, 4, 200, 64)
     q64, k64, v64 = torch.randn(shape_q).double(), torch.randn(shape_kv).double(), torch.randn(shape_kv).double()
     g64 = torch.randn(shape_q).double()
+    m64 = torch.randn(130, 200).double() if masked else None
 
     def grads(fn, dt):
         q, k, v = (t.to(dt).requires_grad_() for t in (q64, k64, v64))
-        return torch.autograd.grad(fn(q, k, v), (q, k, v), g64.to(dt))
+        m = None if m64 is None else m64.to(dt)
+        return torch.autograd.grad(fn(q, k, v, m), (q, k, v), g64.to(dt))
 
-    ref = grads(lambda q, k, v: R.attention(q, k, v), torch.float64)
-    ours = grads(lambda q, k, v: sdpa(q, k, v), dtype)
-    theirs = grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), dtype)
+    ref = grads(lambda q, k, v, m: R.attention(q, k, v, attn_mask=m), torch.float64)
+    ours = grads(lambda q, k, v, m: sdpa(q, k, v, attn_mask=m), dtype)
+    theirs = grads(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), dtype)
     for o, t, r in zip(ours, theirs, ref):
         assert o.dtype == dtype
         eo, et = (o.double() - r).abs().max().item(), (t.double() - r).abs().max().item()

@@ -405,6 +405,17 @@ inline int64_t visible_kv_end(const AttentionFwdParams& p, int64_t i0, int64_t m
   return p.is_causal ? std::min(p.len_kv, i0 + m) : p.len_kv;
 }
 
+// A mask shared by the heads (head stride 0) whose rows do not fit in the
+// 2 MiB L2: it is read again from memory for every head unless the heads
+// that use it run close together (both kernels then change their order).
+template <typename scalar_t>
+bool shared_mask_outgrows_l2(const AttentionFwdParams& p) {
+  if (p.mask_kind == MaskKind::kNone || p.mask_stride.h != 0 || p.mask_stride.row == 0 || p.heads_q < 2)
+    return false;
+  const int64_t elem = p.mask_kind == MaskKind::kBool ? int64_t(sizeof(bool)) : int64_t(sizeof(scalar_t));
+  return p.len_q * p.len_kv * elem > (int64_t(2) << 20);
+}
+
 }  // namespace
 
 template <typename scalar_t>
@@ -450,13 +461,12 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   // (the tile loads of S = Q K^T were two thirds of the forward's product time)
   const int64_t ld_kbf = 2 * s32 + 32;
   const int64_t ldkt = transposed_ld(S_kv);  // K^T row stride
-  // A mask shared by the heads (head stride 0) is read again for every head,
-  // from memory once it outgrows L2. Items then go chunk-major, heads inner:
-  // a chunk's mask rows (256 x S) are still in L2 for the next head, at the
+  // With a shared mask that outgrows L2, items go chunk-major, heads inner: a
+  // chunk's mask rows (256 x S) are still in L2 for the next head, at the
   // price of packing K^T for every item. In-process A/B, 1 thread, forward with
   // a (1, L, L) float mask, 12 heads x 64: L = 1024 53.2 vs 59.3 ms, L = 2048
-  // 221 vs 228, L = 512 (mask in L2 anyway) 18.4 vs 18.3 (20 heads).
-  const bool heads_inner = p.mask_kind != MaskKind::kNone && p.mask_stride.h == 0 && H > 1;
+  // 221 vs 228; at L = 512 (a 1 MiB mask) 18.4 vs 18.3 with 20 heads.
+  const bool heads_inner = shared_mask_outgrows_l2<scalar_t>(p);
   at::parallel_for(0, p.batch * H * n_chunks, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> q_buf(amx ? 0 : kChunkM * E), kt_head(amx ? 0 : E * ldkt), v_buf(amx ? 0 : kBlockN * Ev);
     Buffer<acc_t> s_buf(kBlockM * kBlockN), o_acc(kChunkM * ldo), row_max(kChunkM),
@@ -665,69 +675,108 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   // Work item: (batch, query head). Key/value tiles are the outer loop, so K,
   // K^T and V^T are packed once per tile; dK and dV of the tile accumulate over
   // the query blocks, dQ of the whole head in an O(L) float buffer.
-  at::parallel_for(0, p.batch * H, 1, [&](int64_t begin, int64_t end) {
+  //
+  // With a shared mask that outgrows L2, an item takes two heads of a batch
+  // and runs them side by side, block by block, so the second reads each mask
+  // tile from L2. In-process A/B, 1 thread, forward+backward with a (1, L, L)
+  // float mask: 12x2048x64 586 vs 629 ms, 16x2048x64 746 vs 802, 12x1024x64
+  // 145 vs 149; at L = 512 pairs were slower (65.8 vs 62.7, 20 heads).
+  const int64_t kGroup = 2;
+  const bool grouped = shared_mask_outgrows_l2<scalar_t>(p) && H % kGroup == 0 &&
+                       p.batch * (H / kGroup) >= at::get_num_threads();
+  const int64_t group = grouped ? kGroup : 1;
+
+  // One query head's state within an item.
+  struct Head {
+    int64_t h = 0, hk = 0;
+    acc_t* dk = nullptr;
+    acc_t* dv = nullptr;
+    const acc_t* qh = nullptr;   // Q of the head, (L x E), row stride ldq
+    const acc_t* doh = nullptr;  // dO of the head, (L x Ev), row stride lddo
+    const acc_t* lse_h = nullptr;
+    const acc_t* kt = nullptr;   // K of the tile, (n x E), row stride ldk
+    int64_t ldq = 0, lddo = 0, ldk = 0;
     Buffer<acc_t> q_buf, do_buf;  // whole-head copies, only when the input needs packing
-    // (on AMX the products read AmxBwdBuffers; dO is still read as acc_t for D)
-    if (!amx && tile_needs_pack<scalar_t, acc_t>(p.q_stride.col)) q_buf.resize(L * E);
-    if (tile_needs_pack<scalar_t, acc_t>(p.grad_out_stride.col)) do_buf.resize(L * Ev);
-    Buffer<acc_t> o_buf(kBlockM * Ev), row_d(L), dq_acc((amx ? round32(L) : L) * ldq_acc);
-    std::unique_ptr<AmxBwdBuffers> ab(amx ? new AmxBwdBuffers(L, E, Ev) : nullptr);
-    Buffer<acc_t> k_buf(amx ? 0 : kBlockN * E), kt_buf(amx ? 0 : transposed_ld(kBlockN) * E),
-        vt_buf(amx ? 0 : transposed_ld(kBlockN) * Ev);
+    Buffer<acc_t> row_d, dq_acc, k_buf, kt_buf, vt_buf;
+    std::unique_ptr<AmxBwdBuffers> ab;
+  };
+
+  at::parallel_for(0, p.batch * (H / group), 1, [&](int64_t begin, int64_t end) {
+    std::vector<Head> heads(group);
+    for (Head& hd : heads) {
+      // (on AMX the products read AmxBwdBuffers; dO is still read as acc_t for D)
+      if (!amx && tile_needs_pack<scalar_t, acc_t>(p.q_stride.col)) hd.q_buf.resize(L * E);
+      if (tile_needs_pack<scalar_t, acc_t>(p.grad_out_stride.col)) hd.do_buf.resize(L * Ev);
+      hd.row_d.resize(L);
+      hd.dq_acc.resize((amx ? round32(L) : L) * ldq_acc);
+      if (amx) hd.ab.reset(new AmxBwdBuffers(L, E, Ev));
+      hd.k_buf.resize(amx ? 0 : kBlockN * E);
+      hd.kt_buf.resize(amx ? 0 : transposed_ld(kBlockN) * E);  // K^T, (E x n), row stride ldt
+      hd.vt_buf.resize(amx ? 0 : transposed_ld(kBlockN) * Ev);  // V^T, (Ev x n), row stride ldt
+    }
+    Buffer<acc_t> o_buf(kBlockM * Ev);
     Buffer<acc_t> p_buf(kBlockM * kBlockN), dp_buf(kBlockM * kBlockN);
     std::vector<uint8_t> keep(kBlockN);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t h = bh % H, b = bh / H, hk = h / G;
-      acc_t* dk = dk_all + bh * S * E;
-      acc_t* dv = dv_all + bh * S * Ev;
-      std::fill(dk, dk + S * E, acc_t(0));
-      std::fill(dv, dv + S * Ev, acc_t(0));
-      std::fill(dq_acc.begin(), dq_acc.end(), acc_t(0));
-      int64_t ldq = 0, lddo = 0, ldo = 0, ldk = 0;
-      const acc_t* qh = amx ? nullptr
-                            : load_tile(q + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row, p.q_stride.col,
-                                        L, E, q_buf.data(), &ldq);
-      const acc_t* doh =
-          load_tile(dout + b * p.grad_out_stride.b + h * p.grad_out_stride.h,
-                    p.grad_out_stride.row, p.grad_out_stride.col, L, Ev, do_buf.data(), &lddo);
-      for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {  // D = rowsum(dO * O)
-        const int64_t m = std::min(kBlockM, L - i0);
-        const acc_t* ot =
-            load_tile(o + b * p.out_stride.b + h * p.out_stride.h + i0 * p.out_stride.row,
-                      p.out_stride.row, p.out_stride.col, m, Ev, o_buf.data(), &ldo);
-        for (int64_t r = 0; r < m; ++r) row_d[i0 + r] = Ops::dot(doh + (i0 + r) * lddo, ot + r * ldo, Ev);
-      }
-      const acc_t* lse_h = lse + (b * H + h) * L;
-      if constexpr (kBf16) {
-        if (amx) {
-          AmxBwdBuffers::pack_head(q + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row, p.q_stride.col, L, E,
-                                   ab->e_pad, ab->q_rows.data(), ab->q_pairs.data());
-          AmxBwdBuffers::pack_head(dout + b * p.grad_out_stride.b + h * p.grad_out_stride.h, p.grad_out_stride.row,
-                                   p.grad_out_stride.col, L, Ev, ab->ev_pad, ab->do_rows.data(), ab->do_pairs.data());
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (H / group);
+      for (int64_t g = 0; g < group; ++g) {  // the heads' setup: zeroed gradients, D, packed Q and dO
+        Head& hd = heads[g];
+        const int64_t h = (item % (H / group)) * group + g;
+        const int64_t bh = b * H + h;
+        hd.h = h;
+        hd.hk = h / G;
+        hd.dk = dk_all + bh * S * E;
+        hd.dv = dv_all + bh * S * Ev;
+        std::fill(hd.dk, hd.dk + S * E, acc_t(0));
+        std::fill(hd.dv, hd.dv + S * Ev, acc_t(0));
+        std::fill(hd.dq_acc.begin(), hd.dq_acc.end(), acc_t(0));
+        int64_t ldo = 0;
+        hd.qh = amx ? nullptr
+                    : load_tile(q + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row, p.q_stride.col, L, E,
+                                hd.q_buf.data(), &hd.ldq);
+        hd.doh = load_tile(dout + b * p.grad_out_stride.b + h * p.grad_out_stride.h, p.grad_out_stride.row,
+                           p.grad_out_stride.col, L, Ev, hd.do_buf.data(), &hd.lddo);
+        for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {  // D = rowsum(dO * O)
+          const int64_t m = std::min(kBlockM, L - i0);
+          const acc_t* ot = load_tile(o + b * p.out_stride.b + h * p.out_stride.h + i0 * p.out_stride.row,
+                                      p.out_stride.row, p.out_stride.col, m, Ev, o_buf.data(), &ldo);
+          for (int64_t r = 0; r < m; ++r)
+            hd.row_d[i0 + r] = Ops::dot(hd.doh + (i0 + r) * hd.lddo, ot + r * ldo, Ev);
+        }
+        hd.lse_h = lse + bh * L;
+        if constexpr (kBf16) {
+          if (amx) {
+            AmxBwdBuffers::pack_head(q + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row, p.q_stride.col, L, E,
+                                     hd.ab->e_pad, hd.ab->q_rows.data(), hd.ab->q_pairs.data());
+            AmxBwdBuffers::pack_head(dout + b * p.grad_out_stride.b + h * p.grad_out_stride.h,
+                                     p.grad_out_stride.row, p.grad_out_stride.col, L, Ev, hd.ab->ev_pad,
+                                     hd.ab->do_rows.data(), hd.ab->do_pairs.data());
+          }
         }
       }
 
       for (int64_t j0 = 0; j0 < S; j0 += kBlockN) {
         const int64_t n = std::min(kBlockN, S - j0);
-        const scalar_t* k_tile = k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row;
-        const scalar_t* v_tile = v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row;
-        const acc_t* kt = nullptr;
-        acc_t* k_t = kt_buf.data();  // K^T, (E x n), row stride ldt
-        acc_t* v_t = vt_buf.data();  // V^T, (Ev x n), row stride ldt
         const int64_t ldt = transposed_ld(n);
-        if (!amx) {
-          kt = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
-          load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_t, ldt);
-          load_tile_transposed(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, v_t, ldt);
-        }
         const int64_t n32 = round32(n);
-        if constexpr (kBf16) {
-          if (amx) {
-            pack_kt_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, n32, ab->e_pad, 2 * n32, ab->k_tp.data());
-            pack_kt_pairs(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, n32, ab->ev_pad, 2 * n32, ab->v_tp.data());
-            pack_v_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, n32, ab->e_pad, ab->k_pairs.data());
-            std::fill(ab->dk_tile.begin(), ab->dk_tile.begin() + n32 * ab->e_pad, 0.f);
-            std::fill(ab->dv_tile.begin(), ab->dv_tile.begin() + n32 * ab->ev_pad, 0.f);
+        for (Head& hd : heads) {  // the key/value tile, packed for each head
+          const scalar_t* k_tile = k + b * p.k_stride.b + hd.hk * p.k_stride.h + j0 * p.k_stride.row;
+          const scalar_t* v_tile = v + b * p.v_stride.b + hd.hk * p.v_stride.h + j0 * p.v_stride.row;
+          if (!amx) {
+            hd.kt = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, hd.k_buf.data(), &hd.ldk);
+            load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, hd.kt_buf.data(), ldt);
+            load_tile_transposed(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, hd.vt_buf.data(), ldt);
+          }
+          if constexpr (kBf16) {
+            if (amx) {
+              AmxBwdBuffers* ab = hd.ab.get();
+              pack_kt_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, n32, ab->e_pad, 2 * n32, ab->k_tp.data());
+              pack_kt_pairs(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, n32, ab->ev_pad, 2 * n32,
+                            ab->v_tp.data());
+              pack_v_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, n32, ab->e_pad, ab->k_pairs.data());
+              std::fill(ab->dk_tile.begin(), ab->dk_tile.begin() + n32 * ab->e_pad, 0.f);
+              std::fill(ab->dv_tile.begin(), ab->dv_tile.begin() + n32 * ab->ev_pad, 0.f);
+            }
           }
         }
         // causal: rows before j0 see none of this tile
@@ -736,76 +785,89 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
           const int64_t m = std::min(kBlockM, L - i0);
           const int64_t nq = std::min(n, visible_kv_end(p, i0, m) - j0);
           if (nq <= 0) continue;
-          const acc_t* qt = amx ? nullptr : qh + i0 * ldq;
-          const acc_t* dot = doh + i0 * lddo;
-          acc_t* pt = p_buf.data();
-          acc_t* dpt = dp_buf.data();
           const int64_t lds = amx ? round32(nq) : nq;  // P and dP row stride
-          if (amx) {
-            if constexpr (std::is_same_v<acc_t, float>) {
-              cpu::amx_gemm_bf16(round32(m), lds, ab->e_pad, ab->q_rows.data() + i0 * ab->e_pad, ab->e_pad,
-                                 ab->k_tp.data(), 2 * n32, pt, lds, false);  // S = Q K^T
-              if (!fold_scale)
-                for (int64_t r = 0; r < m; ++r) Ops::scale(pt + r * lds, nq, s_scale);
-              cpu::amx_gemm_bf16(round32(m), lds, ab->ev_pad, ab->do_rows.data() + i0 * ab->ev_pad, ab->ev_pad,
-                                 ab->v_tp.data(), 2 * n32, dpt, lds, false);  // dP = dO V^T
-            }
-          } else {
-            cpu::gemm(m, nq, E, s_scale, qt, ldq, 1, k_t, ldt, acc_t(0), pt, nq);    // S2 = log2(e) scale Q K^T
-            cpu::gemm(m, nq, Ev, acc_t(1), dot, lddo, 1, v_t, ldt, acc_t(0), dpt, nq);  // dP = dO V^T
-          }
-          for (int64_t r = 0; r < m; ++r) {
-            const int64_t i = i0 + r;
-            acc_t* prow = pt + r * lds;
-            acc_t* dprow = dpt + r * lds;
-            if (lse_h[i] == kNegInf) {  // fully masked row: P = 0, no gradient
-              std::fill(prow, prow + nq, acc_t(0));
-              std::fill(dprow, dprow + nq, acc_t(0));
-              continue;
-            }
-            mask_row<scalar_t>(p, b, h, i, j0, nq, unit, prow);
-            Ops::exp_sub_sum(prow, nq, fold_scale ? s_scale : acc_t(1), lse_h[i] * unit);
-            if (p.dropout.enabled()) {
-              // O = sum_j P_j z_j V_j / (1 - p): the gradient wrt P_j is z_j dP_j / (1 - p),
-              // and dV takes the dropped, rescaled P.
-              dropout_keep_row_cpu(p.dropout, dropout_row_id(p, b, h, i), j0, nq, keep.data());
-              Ops::dropout_softmax_grad(prow, dprow, keep.data(), nq, rescale, row_d[i]);
+          for (Head& hd : heads) {
+            const int64_t h = hd.h;
+            [[maybe_unused]] AmxBwdBuffers* ab = hd.ab.get();
+            const acc_t* qt = amx ? nullptr : hd.qh + i0 * hd.ldq;
+            const acc_t* dot = hd.doh + i0 * hd.lddo;
+            const acc_t* k_t = hd.kt_buf.data();
+            const acc_t* v_t = hd.vt_buf.data();
+            acc_t* pt = p_buf.data();
+            acc_t* dpt = dp_buf.data();
+            if (amx) {
+              if constexpr (std::is_same_v<acc_t, float>) {
+                cpu::amx_gemm_bf16(round32(m), lds, ab->e_pad, ab->q_rows.data() + i0 * ab->e_pad, ab->e_pad,
+                                   ab->k_tp.data(), 2 * n32, pt, lds, false);  // S = Q K^T
+                if (!fold_scale)
+                  for (int64_t r = 0; r < m; ++r) Ops::scale(pt + r * lds, nq, s_scale);
+                cpu::amx_gemm_bf16(round32(m), lds, ab->ev_pad, ab->do_rows.data() + i0 * ab->ev_pad, ab->ev_pad,
+                                   ab->v_tp.data(), 2 * n32, dpt, lds, false);  // dP = dO V^T
+              }
             } else {
-              Ops::softmax_grad(prow, dprow, nq, row_d[i]);
+              cpu::gemm(m, nq, E, s_scale, qt, hd.ldq, 1, k_t, ldt, acc_t(0), pt, nq);  // S2 = log2(e) scale Q K^T
+              cpu::gemm(m, nq, Ev, acc_t(1), dot, hd.lddo, 1, v_t, ldt, acc_t(0), dpt, nq);  // dP = dO V^T
             }
-            if (dmask_all != nullptr) {
-              acc_t* gm = dmask_all + ((b * H + h) * L + i) * S + j0;
-              std::copy(dprow, dprow + nq, gm);
+            for (int64_t r = 0; r < m; ++r) {
+              const int64_t i = i0 + r;
+              acc_t* prow = pt + r * lds;
+              acc_t* dprow = dpt + r * lds;
+              if (hd.lse_h[i] == kNegInf) {  // fully masked row: P = 0, no gradient
+                std::fill(prow, prow + nq, acc_t(0));
+                std::fill(dprow, dprow + nq, acc_t(0));
+                continue;
+              }
+              mask_row<scalar_t>(p, b, h, i, j0, nq, unit, prow);
+              Ops::exp_sub_sum(prow, nq, fold_scale ? s_scale : acc_t(1), hd.lse_h[i] * unit);
+              if (p.dropout.enabled()) {
+                // O = sum_j P_j z_j V_j / (1 - p): the gradient wrt P_j is z_j dP_j / (1 - p),
+                // and dV takes the dropped, rescaled P.
+                dropout_keep_row_cpu(p.dropout, dropout_row_id(p, b, h, i), j0, nq, keep.data());
+                Ops::dropout_softmax_grad(prow, dprow, keep.data(), nq, rescale, hd.row_d[i]);
+              } else {
+                Ops::softmax_grad(prow, dprow, nq, hd.row_d[i]);
+              }
+              if (dmask_all != nullptr) {
+                acc_t* gm = dmask_all + ((b * H + h) * L + i) * S + j0;
+                std::copy(dprow, dprow + nq, gm);
+              }
             }
-          }
-          if (amx) {
-            if constexpr (std::is_same_v<acc_t, float>) {
-              ab->gemm_at(pt, lds, m, nq, ab->do_pairs.data() + i0 * ab->ev_pad, ab->ev_pad, ab->dv_tile.data(),
-                          ab->ev_pad);  // dV += P~^T dO
-              for (int64_t r = 0; r < m; ++r) Ops::scale(dpt + r * lds, nq, scale);  // scale dS for dQ and dK
-              cpu::amx_pack_float_rows(dpt, lds, m, nq, round32(m), lds, ab->a_bf.data());
-              cpu::amx_gemm_bf16(round32(m), ab->e_pad, lds, ab->a_bf.data(), lds, ab->k_pairs.data(), 2 * ab->e_pad,
-                                 dq_acc.data() + i0 * ldq_acc, ldq_acc, true);  // dQ += scale dS K
-              ab->gemm_at(dpt, lds, m, nq, ab->q_pairs.data() + i0 * ab->e_pad, ab->e_pad, ab->dk_tile.data(),
-                          ab->e_pad);  // dK += scale dS^T Q
+            if (amx) {
+              if constexpr (std::is_same_v<acc_t, float>) {
+                ab->gemm_at(pt, lds, m, nq, ab->do_pairs.data() + i0 * ab->ev_pad, ab->ev_pad, ab->dv_tile.data(),
+                            ab->ev_pad);  // dV += P~^T dO
+                for (int64_t r = 0; r < m; ++r) Ops::scale(dpt + r * lds, nq, scale);  // scale dS for dQ and dK
+                cpu::amx_pack_float_rows(dpt, lds, m, nq, round32(m), lds, ab->a_bf.data());
+                cpu::amx_gemm_bf16(round32(m), ab->e_pad, lds, ab->a_bf.data(), lds, ab->k_pairs.data(),
+                                   2 * ab->e_pad, hd.dq_acc.data() + i0 * ldq_acc, ldq_acc, true);  // dQ += scale dS K
+                ab->gemm_at(dpt, lds, m, nq, ab->q_pairs.data() + i0 * ab->e_pad, ab->e_pad, ab->dk_tile.data(),
+                            ab->e_pad);  // dK += scale dS^T Q
+              }
+            } else {
+              cpu::gemm(nq, Ev, m, acc_t(1), pt, 1, nq, dot, hd.lddo, acc_t(1), hd.dv + j0 * Ev, Ev);  // dV += P~^T dO
+              cpu::gemm(m, E, nq, scale, dpt, nq, 1, hd.kt, hd.ldk, acc_t(1), hd.dq_acc.data() + i0 * E,
+                        E);  // dQ += scale dS K
+              cpu::gemm(nq, E, m, scale, dpt, 1, nq, qt, hd.ldq, acc_t(1), hd.dk + j0 * E, E);  // dK += scale dS^T Q
             }
-          } else {
-            cpu::gemm(nq, Ev, m, acc_t(1), pt, 1, nq, dot, lddo, acc_t(1), dv + j0 * Ev, Ev);  // dV += P~^T dO
-            cpu::gemm(m, E, nq, scale, dpt, nq, 1, kt, ldk, acc_t(1), dq_acc.data() + i0 * E, E);  // dQ += scale dS K
-            cpu::gemm(nq, E, m, scale, dpt, 1, nq, qt, ldq, acc_t(1), dk + j0 * E, E);  // dK += scale dS^T Q
           }
         }
         if (amx) {  // the tile's dK and dV, unpadded
-          for (int64_t j = 0; j < n; ++j) {
-            std::copy(ab->dk_tile.begin() + j * ab->e_pad, ab->dk_tile.begin() + j * ab->e_pad + E, dk + (j0 + j) * E);
-            std::copy(ab->dv_tile.begin() + j * ab->ev_pad, ab->dv_tile.begin() + j * ab->ev_pad + Ev,
-                      dv + (j0 + j) * Ev);
+          for (Head& hd : heads) {
+            const AmxBwdBuffers* ab = hd.ab.get();
+            for (int64_t j = 0; j < n; ++j) {
+              std::copy(ab->dk_tile.begin() + j * ab->e_pad, ab->dk_tile.begin() + j * ab->e_pad + E,
+                        hd.dk + (j0 + j) * E);
+              std::copy(ab->dv_tile.begin() + j * ab->ev_pad, ab->dv_tile.begin() + j * ab->ev_pad + Ev,
+                        hd.dv + (j0 + j) * Ev);
+            }
           }
         }
       }
-      scalar_t* dq_rows = dq_out + (b * H + h) * L * E;
-      for (int64_t i = 0; i < L; ++i)
-        for (int64_t e = 0; e < E; ++e) dq_rows[i * E + e] = static_cast<scalar_t>(dq_acc[i * ldq_acc + e]);
+      for (const Head& hd : heads) {
+        scalar_t* dq_rows = dq_out + (b * H + hd.h) * L * E;
+        for (int64_t i = 0; i < L; ++i)
+          for (int64_t e = 0; e < E; ++e) dq_rows[i * E + e] = static_cast<scalar_t>(hd.dq_acc[i * ldq_acc + e]);
+      }
     }
   });
 }
