@@ -131,10 +131,14 @@ def test_fully_masked_row_has_zero_gradient():
     assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
 
 
-def test_backward_independent_of_thread_count():
-    q, k, v = leaf(2, 4, 200, 32, dtype=torch.float32), leaf(2, 2, 260, 32, dtype=torch.float32), leaf(2, 2, 260, 32, dtype=torch.float32)
-    m = leaf(200, 260, dtype=torch.float32)
-    g = torch.randn(2, 4, 200, 32)
+@pytest.mark.parametrize("B,Hkv,L,S", [(2, 2, 200, 260), (1, 4, 700, 800)], ids=["small mask", "mask over L2"])
+def test_backward_independent_of_thread_count(B, Hkv, L, S):
+    # with the mask over L2 (2.2 MB), 1 and 2 threads run the backward's heads
+    # in pairs and 3 threads one by one: the results must not differ by a bit
+    q, k, v = (leaf(B, 4, L, 32, dtype=torch.float32), leaf(B, Hkv, S, 32, dtype=torch.float32),
+               leaf(B, Hkv, S, 32, dtype=torch.float32))
+    m = leaf(L, S, dtype=torch.float32)
+    g = torch.randn(B, 4, L, 32)
     results = []
     old = torch.get_num_threads()
     try:

@@ -2,14 +2,16 @@
 //
 // Forward: work items are (batch, query head, chunk of kChunkM query rows),
 // spread over threads with at::parallel_for. A chunk streams key/value tiles of
-// kBlockN rows (from K^T packed once per head and thread); each of its kBlockM-row
+// kBlockN rows (from K^T packed once per head and thread, or per item when a
+// shared mask orders the items heads-inner); each of its kBlockM-row
 // query blocks multiplies into a kBlockM x kBlockN score tile, runs the online
 // softmax (running row max and sum) and accumulates its output rows. Extra
 // memory: per-thread tiles and packed key head (O(S)) plus the O(L)
 // logsumexp per head.
 //
-// Backward: work items are (batch, query head). Key/value tiles are the outer
-// loop (K, K^T, V^T packed once per tile), query blocks the inner one; each
+// Backward: work items are (batch, query head), or two heads run side by side
+// with a shared mask larger than L2. Key/value tiles are the outer loop (K,
+// K^T, V^T packed once per tile and head), query blocks the inner one; each
 // step recomputes P = exp(S - lse), accumulates dV and dK of the tile and dQ of
 // the block (dQ for the whole head in an O(L) float buffer). No two items
 // write the same memory and every sum runs in a fixed order, so results do not
@@ -463,7 +465,8 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   const int64_t ldkt = transposed_ld(S_kv);  // K^T row stride
   // With a shared mask that outgrows L2, items go chunk-major, heads inner: a
   // chunk's mask rows (256 x S) are still in L2 for the next head, at the
-  // price of packing K^T for every item. In-process A/B, 1 thread, forward with
+  // price of packing K^T whenever the key head changes (every item unless GQA
+  // groups the heads). In-process A/B, 1 thread, forward with
   // a (1, L, L) float mask, 12 heads x 64: L = 1024 53.2 vs 59.3 ms, L = 2048
   // 221 vs 228; at L = 512 (a 1 MiB mask) 18.4 vs 18.3 with 20 heads.
   const bool heads_inner = shared_mask_outgrows_l2<scalar_t>(p);
@@ -673,7 +676,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   const bool fold_scale = amx && p.mask_kind != MaskKind::kFloat && s_scale > acc_t(0);
 
   // Work item: (batch, query head). Key/value tiles are the outer loop, so K,
-  // K^T and V^T are packed once per tile; dK and dV of the tile accumulate over
+  // K^T and V^T are packed once per tile (and head); dK and dV of the tile accumulate over
   // the query blocks, dQ of the whole head in an O(L) float buffer.
   //
   // With a shared mask that outgrows L2, an item takes two heads of a batch
