@@ -262,18 +262,27 @@ void load_tile_transposed(const scalar_t* base, int64_t row_stride, int64_t col_
   }
 }
 
-// s[c] += the float mask value m[c] in the scores' units (times `unit`),
-// clamped to +-max as in mask_row's generic loop; contiguous mask columns, cloned per
-// instruction set (the generic loop below ran 4 lanes wide and cost a third
-// of a masked forward).
+// A float mask value in the scores' units (times `unit`). In base 2 a finite
+// value beyond max / log2(e) (finfo.min, as padding masks use) would overflow
+// to -inf and count as "masked out"; it is clamped to the largest finite value
+// instead. A row masked everywhere with finfo.min then stays uniform, as
+// torch's float softmax gives (finfo.min + s rounds to finfo.min). Values
+// between -max and -max / log2(e) become equal, where torch would still order
+// them. Compares and selects only, so loops over it vectorise; infinite mask
+// values stay infinite and NaN falls through.
+template <typename T>
+inline T mask_in_units(T mv, T unit) {
+  constexpr T kMax = std::numeric_limits<T>::max();
+  const T u = unit * mv;
+  const T uc = u < -kMax ? -kMax : (u > kMax ? kMax : u);
+  return (mv < -kMax || mv > kMax) ? mv : uc;
+}
+
+// s[c] += mask_in_units(m[c]) over contiguous float mask columns, cloned per
+// instruction set (the generic loop in mask_row ran 4 lanes wide and cost a
+// third of a masked forward).
 MHA_CPU_CLONES void add_float_mask_f(float* s, const float* m, int64_t n, float unit) {
-  constexpr float kMax = std::numeric_limits<float>::max();
-  for (int64_t c = 0; c < n; ++c) {
-    const float mv = m[c];
-    const float u = unit * mv;
-    const float uc = u < -kMax ? -kMax : (u > kMax ? kMax : u);
-    s[c] += (mv < -kMax || mv > kMax) ? mv : uc;
-  }
+  for (int64_t c = 0; c < n; ++c) s[c] += mask_in_units(m[c], unit);
 }
 
 // s[c] = keep[c] ? s[c] : -inf, contiguous bool mask columns
@@ -282,7 +291,7 @@ MHA_CPU_CLONES void apply_bool_mask_f(float* s, const bool* m, int64_t n) {
   for (int64_t c = 0; c < n; ++c) s[c] = m[c] ? s[c] : kNegInf;
 }
 
-// Scores of one tile row after scale: adds the float mask (times `unit`, the
+// Scores of one tile row after scale: adds the float mask (mask_in_units: times `unit`, the
 // scores' units per natural unit) or sets -inf where the bool mask is false or
 // the causal rule hides the column.
 template <typename scalar_t, typename acc_t>
@@ -293,32 +302,22 @@ void mask_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int6
     const int64_t off = b * p.mask_stride.b + h * p.mask_stride.h + i * p.mask_stride.row +
                         j0 * p.mask_stride.col;
     const int64_t cs = p.mask_stride.col;
-    constexpr bool kF32 = std::is_same_v<acc_t, float>;
     if (p.mask_kind == MaskKind::kBool) {
       const bool* m = static_cast<const bool*>(p.mask) + off;
-      if (kF32 && cs == 1) {
-        if constexpr (kF32) apply_bool_mask_f(s, m, n);
-      } else {
+      bool done = false;  // contiguous columns: the cloned loop
+      if constexpr (std::is_same_v<acc_t, float>) {
+        if (cs == 1) apply_bool_mask_f(s, m, n), done = true;
+      }
+      if (!done)
         for (int64_t c = 0; c < n; ++c) s[c] = m[c * cs] ? s[c] : kNegInf;
-      }
-    } else if (std::is_same_v<scalar_t, float> && kF32 && cs == 1) {
-      if constexpr (std::is_same_v<scalar_t, float> && kF32)
-        add_float_mask_f(s, static_cast<const float*>(p.mask) + off, n, unit);
     } else {
-      // In base 2 a finite mask value beyond max / log2(e) (finfo.min, as padding
-      // masks use) would overflow to -inf and count as "masked out"; it is
-      // clamped to the largest finite value instead. A row masked everywhere
-      // with finfo.min then stays uniform, as torch's float softmax gives
-      // (finfo.min + s rounds to finfo.min). Values between -max and
-      // -max / log2(e) become equal, where torch would still order them.
-      constexpr acc_t kMax = std::numeric_limits<acc_t>::max();
       const scalar_t* m = static_cast<const scalar_t*>(p.mask) + off;
-      for (int64_t c = 0; c < n; ++c) {  // compares and selects only (NaN falls through)
-        const acc_t mv = static_cast<acc_t>(m[c * cs]);
-        const acc_t u = unit * mv;
-        const acc_t uc = u < -kMax ? -kMax : (u > kMax ? kMax : u);
-        s[c] += (mv < -kMax || mv > kMax) ? mv : uc;  // infinite mask values stay infinite
+      bool done = false;
+      if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
+        if (cs == 1) add_float_mask_f(s, m, n, unit), done = true;
       }
+      if (!done)
+        for (int64_t c = 0; c < n; ++c) s[c] += mask_in_units(static_cast<acc_t>(m[c * cs]), unit);
     }
   }
   if (p.is_causal) {
