@@ -67,6 +67,20 @@ struct AttentionFwdParams {
   MHA_HOST_DEVICE int64_t group_size() const { return heads_q / heads_kv; }
 };
 
+// The backward recomputes P = exp(score - lse) from the saved logsumexp.
+// When |lse| is large its rounding error (an ulp of lse) becomes an error of
+// P, and where a row's scores all sit near finfo.min (a padding mask filled
+// with it) the log(row sum) part of lse is lost entirely: exp(score - lse)
+// then gives 1 for every key instead of 1 / S. For such rows the backward
+// recomputes the row's exact maximum m and sum l (one more pass over the
+// keys, for those rows only) and takes P = exp(score - m) / l. Below 2^8 an
+// ulp of a float lse is 2^-15 (3e-5 relative in P); real scores stay far
+// below it, so the extra pass runs only for padding rows and hostile logits.
+template <typename A>
+MHA_HOST_DEVICE bool lse_needs_exact_stats(A lse) {
+  return (lse >= A(256) || lse <= A(-256)) && lse - lse == A(0);  // finite and large
+}
+
 struct AttentionBwdParams : AttentionFwdParams {
   const void* grad_out = nullptr;  // (B, Hq, L, Ev)
   void* grad_q = nullptr;          // (B, Hq, L, E), contiguous
@@ -76,6 +90,11 @@ struct AttentionBwdParams : AttentionFwdParams {
   // CUDA only, contiguous, accumulation type (float; double for double):
   void* row_dot = nullptr;         // (B, Hq, L): D = rowsum(dO * O)
   void* grad_q_accum = nullptr;    // (B, Hq, L, E) zeroed, dQ added atomically; null: deterministic dQ kernel
+  // (B, Hq, L): P = exp(min(score - row_shift, 0) - row_log_norm). The dot
+  // kernel writes lse and 0, or for rows lse_needs_exact_stats picks the
+  // row's max and log(row sum).
+  void* row_shift = nullptr;
+  void* row_log_norm = nullptr;
   Strides4 grad_out_stride;
 };
 

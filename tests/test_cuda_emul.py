@@ -377,3 +377,38 @@ def test_cuda_graph_replays_draw_fresh_dropout():
         torch.testing.assert_close(out.cpu(), ref, rtol=2e-2, atol=2e-2)
         used.append(rng.cpu().clone())
     assert not torch.equal(used[0], used[1])
+
+
+def _assert_near_reference(ours, ref, eager, dtype):
+    """float64 / float32 against the float64 reference (1e-10 / 2e-5 relative
+    to the largest reference value); half / bfloat16 within twice plain eager
+    PyTorch's error in that dtype."""
+    for a, r, e in zip(ours, ref, eager):
+        if dtype in (torch.float64, torch.float32):
+            tol = 1e-10 if dtype == torch.float64 else 2e-5
+            torch.testing.assert_close(a.double(), r.double(), rtol=tol, atol=tol * max(1.0, r.abs().max().item()))
+        else:
+            assert _err(a, r) <= 2.0 * _err(e, r) + 1e-3 * r.abs().max().item(), (_err(a, r), _err(e, r))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_emul_padding_rows_and_batch_varying_mask(backend, dtype, is_causal):
+    # A float mask that differs per batch element (a mask offset without its
+    # batch term reads batch 0's mask for batch 1), with finfo.min padding:
+    # batch 1 pads its first 5 keys and its first 3 query rows see only
+    # padding (uniform rows, whose gradient the backward must get from the
+    # rows' exact statistics), batch 0 pads its last 7 keys. Forward and every
+    # gradient against the float64 reference.
+    N, H, L, S, E = 2, 2, 21, 38, 16
+    q, k, v = make((N, H, H, L, S, E, E), dtype)
+    lo = torch.finfo(torch.float32 if dtype == torch.float64 else dtype).min
+    mask = torch.randn(N, 1, L, S, dtype=torch.float64).to(dtype)
+    mask[0, ..., S - 7:] = lo
+    mask[1, ..., :5] = lo
+    mask[1, :, :3, :] = lo
+    out, lse, _ = backend.attention(q, k, v, mask, 0.0, is_causal)
+    go = torch.randn_like(out)
+    grads = _backward(backend, q, k, v, out, lse, go, mask, is_causal=is_causal, mask_grad=True)
+    (ref_out, ref_grads), (eager_out, eager_grads) = references(q, k, v, go, mask=mask, is_causal=is_causal)
+    _assert_near_reference([out] + list(grads), [ref_out] + ref_grads, [eager_out] + eager_grads, dtype)

@@ -700,7 +700,102 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
     int64_t ldq = 0, lddo = 0, ldk = 0;
     Buffer<acc_t> q_buf, do_buf;  // whole-head copies, only when the input needs packing
     Buffer<acc_t> row_d, dq_acc, k_buf, kt_buf, vt_buf;
+    // P = expb(S * mul - row_sub) * row_inv: row_sub = lse in the kernel's
+    // units and row_inv = 1, or the row's exact max and 1 / sum where
+    // lse_needs_exact_stats (exact_row_stats below)
+    Buffer<acc_t> row_sub, row_inv;
+    std::vector<uint8_t> exact;  // per row: row_sub / row_inv are exact statistics
     std::unique_ptr<AmxBwdBuffers> ab;
+  };
+
+  // causal: rows before j0 see none of the key tile at j0
+  auto first_row = [&](int64_t j0) -> int64_t { return p.is_causal ? (j0 / kBlockM) * kBlockM : 0; };
+
+  // Packs the key/value tile (j0, n rows) of the head's key head for the
+  // products: K rows and K^T, V^T (on AMX their pair layouts).
+  auto pack_tile = [&](Head& hd, int64_t b, int64_t j0, int64_t n) {
+    const int64_t ldt = transposed_ld(n), n32 = round32(n);
+    const scalar_t* k_tile = k + b * p.k_stride.b + hd.hk * p.k_stride.h + j0 * p.k_stride.row;
+    const scalar_t* v_tile = v + b * p.v_stride.b + hd.hk * p.v_stride.h + j0 * p.v_stride.row;
+    if (!amx) {
+      hd.kt = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, hd.k_buf.data(), &hd.ldk);
+      load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, hd.kt_buf.data(), ldt);
+      load_tile_transposed(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, hd.vt_buf.data(), ldt);
+    }
+    if constexpr (kBf16) {
+      if (amx) {
+        AmxBwdBuffers* ab = hd.ab.get();
+        pack_kt_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, n32, ab->e_pad, 2 * n32, ab->k_tp.data());
+        pack_kt_pairs(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, n32, ab->ev_pad, 2 * n32, ab->v_tp.data());
+        pack_v_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, n32, ab->e_pad, ab->k_pairs.data());
+        std::fill(ab->dk_tile.begin(), ab->dk_tile.begin() + n32 * ab->e_pad, 0.f);
+        std::fill(ab->dv_tile.begin(), ab->dv_tile.begin() + n32 * ab->ev_pad, 0.f);
+      }
+    }
+  };
+
+  // S of query rows i0 .. i0 + m against the packed tile (n keys, nq of them
+  // visible) into pt, row stride round32(nq) on AMX, else nq; in the kernel's
+  // units, except on AMX with fold_scale (the scale rides in the exponential).
+  auto scores = [&](const Head& hd, int64_t i0, int64_t m, int64_t n, int64_t nq, acc_t* pt) {
+    if (amx) {
+      if constexpr (std::is_same_v<acc_t, float>) {
+        const AmxBwdBuffers* ab = hd.ab.get();
+        const int64_t lds = round32(nq);
+        cpu::amx_gemm_bf16(round32(m), lds, ab->e_pad, ab->q_rows.data() + i0 * ab->e_pad, ab->e_pad,
+                           ab->k_tp.data(), 2 * round32(n), pt, lds, false);  // S = Q K^T
+        if (!fold_scale)
+          for (int64_t r = 0; r < m; ++r) Ops::scale(pt + r * lds, nq, s_scale);
+      }
+    } else {
+      cpu::gemm(m, nq, E, s_scale, hd.qh + i0 * hd.ldq, hd.ldq, 1, hd.kt_buf.data(), transposed_ld(n), acc_t(0), pt,
+                nq);  // S2 = log2(e) scale Q K^T
+    }
+  };
+
+  // row_sub / row_inv of a head (see Head). Rows whose lse is too coarse
+  // (lse_needs_exact_stats: finfo.min padding rows, huge logits) get their
+  // exact max and sum from a pass over the keys with the same tiles and
+  // products as the main loop, so the scores are the same to the bit and
+  // S - max <= 0 there. Costs nothing when no row needs it.
+  auto exact_row_stats = [&](Head& hd, int64_t b) {
+    bool any = false;
+    for (int64_t i = 0; i < L; ++i) {
+      const acc_t x = hd.lse_h[i];
+      hd.exact[i] = lse_needs_exact_stats(x) ? 1 : 0;
+      any = any || hd.exact[i];
+      hd.row_sub[i] = hd.exact[i] ? kNegInf : x * unit;
+      hd.row_inv[i] = hd.exact[i] ? acc_t(0) : acc_t(1);  // the running sum until the end
+    }
+    if (!any) return;
+    Buffer<acc_t> s_buf(kBlockM * kBlockN);
+    const acc_t mul = fold_scale ? s_scale : acc_t(1);
+    for (int64_t j0 = 0; j0 < S; j0 += kBlockN) {
+      const int64_t n = std::min(kBlockN, S - j0);
+      bool packed = false;
+      for (int64_t i0 = first_row(j0); i0 < L; i0 += kBlockM) {
+        const int64_t m = std::min(kBlockM, L - i0);
+        const int64_t nq = std::min(n, visible_kv_end(p, i0, m) - j0);
+        if (nq <= 0 || std::find(hd.exact.begin() + i0, hd.exact.begin() + i0 + m, 1) == hd.exact.begin() + i0 + m)
+          continue;
+        if (!packed) pack_tile(hd, b, j0, n), packed = true;
+        const int64_t lds = amx ? round32(nq) : nq;
+        scores(hd, i0, m, n, nq, s_buf.data());
+        for (int64_t r = 0; r < m; ++r) {
+          const int64_t i = i0 + r;
+          if (!hd.exact[i]) continue;
+          acc_t* srow = s_buf.data() + r * lds;
+          mask_row<scalar_t>(p, b, hd.h, i, j0, nq, unit, srow);
+          const acc_t new_max = std::max(hd.row_sub[i], Ops::max(srow, nq) * mul);
+          if (new_max == kNegInf) continue;
+          const acc_t alpha = hd.row_sub[i] == kNegInf ? acc_t(0) : Ops::expb(hd.row_sub[i] - new_max);
+          hd.row_inv[i] = hd.row_inv[i] * alpha + Ops::exp_sub_sum(srow, nq, mul, new_max);
+          hd.row_sub[i] = new_max;
+        }
+      }
+    }
+    for (int64_t i = 0; i < L; ++i)
+      if (hd.exact[i]) hd.row_inv[i] = hd.row_inv[i] > acc_t(0) ? acc_t(1) / hd.row_inv[i] : acc_t(0);
   };
 
   at::parallel_for(0, p.batch * (H / group), 1, [&](int64_t begin, int64_t end) {
@@ -710,6 +805,9 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
       if (!amx && tile_needs_pack<scalar_t, acc_t>(p.q_stride.col)) hd.q_buf.resize(L * E);
       if (tile_needs_pack<scalar_t, acc_t>(p.grad_out_stride.col)) hd.do_buf.resize(L * Ev);
       hd.row_d.resize(L);
+      hd.row_sub.resize(L);
+      hd.row_inv.resize(L);
+      hd.exact.resize(L);
       hd.dq_acc.resize((amx ? round32(L) : L) * ldq_acc);
       if (amx) hd.ab.reset(new AmxBwdBuffers(L, E, Ev));
       hd.k_buf.resize(amx ? 0 : kBlockN * E);
@@ -746,6 +844,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
             hd.row_d[i0 + r] = Ops::dot(hd.doh + (i0 + r) * hd.lddo, ot + r * ldo, Ev);
         }
         hd.lse_h = lse + bh * L;
+        exact_row_stats(hd, b);
         if constexpr (kBf16) {
           if (amx) {
             AmxBwdBuffers::pack_head(q + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row, p.q_stride.col, L, E,
@@ -761,29 +860,8 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
         const int64_t n = std::min(kBlockN, S - j0);
         const int64_t ldt = transposed_ld(n);
         const int64_t n32 = round32(n);
-        for (Head& hd : heads) {  // the key/value tile, packed for each head
-          const scalar_t* k_tile = k + b * p.k_stride.b + hd.hk * p.k_stride.h + j0 * p.k_stride.row;
-          const scalar_t* v_tile = v + b * p.v_stride.b + hd.hk * p.v_stride.h + j0 * p.v_stride.row;
-          if (!amx) {
-            hd.kt = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, hd.k_buf.data(), &hd.ldk);
-            load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, hd.kt_buf.data(), ldt);
-            load_tile_transposed(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, hd.vt_buf.data(), ldt);
-          }
-          if constexpr (kBf16) {
-            if (amx) {
-              AmxBwdBuffers* ab = hd.ab.get();
-              pack_kt_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, n32, ab->e_pad, 2 * n32, ab->k_tp.data());
-              pack_kt_pairs(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, n32, ab->ev_pad, 2 * n32,
-                            ab->v_tp.data());
-              pack_v_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, n32, ab->e_pad, ab->k_pairs.data());
-              std::fill(ab->dk_tile.begin(), ab->dk_tile.begin() + n32 * ab->e_pad, 0.f);
-              std::fill(ab->dv_tile.begin(), ab->dv_tile.begin() + n32 * ab->ev_pad, 0.f);
-            }
-          }
-        }
-        // causal: rows before j0 see none of this tile
-        const int64_t first_row = p.is_causal ? (j0 / kBlockM) * kBlockM : 0;
-        for (int64_t i0 = first_row; i0 < L; i0 += kBlockM) {
+        for (Head& hd : heads) pack_tile(hd, b, j0, n);
+        for (int64_t i0 = first_row(j0); i0 < L; i0 += kBlockM) {
           const int64_t m = std::min(kBlockM, L - i0);
           const int64_t nq = std::min(n, visible_kv_end(p, i0, m) - j0);
           if (nq <= 0) continue;
@@ -793,21 +871,16 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
             [[maybe_unused]] AmxBwdBuffers* ab = hd.ab.get();
             const acc_t* qt = amx ? nullptr : hd.qh + i0 * hd.ldq;
             const acc_t* dot = hd.doh + i0 * hd.lddo;
-            const acc_t* k_t = hd.kt_buf.data();
             const acc_t* v_t = hd.vt_buf.data();
             acc_t* pt = p_buf.data();
             acc_t* dpt = dp_buf.data();
+            scores(hd, i0, m, n, nq, pt);
             if (amx) {
               if constexpr (std::is_same_v<acc_t, float>) {
-                cpu::amx_gemm_bf16(round32(m), lds, ab->e_pad, ab->q_rows.data() + i0 * ab->e_pad, ab->e_pad,
-                                   ab->k_tp.data(), 2 * n32, pt, lds, false);  // S = Q K^T
-                if (!fold_scale)
-                  for (int64_t r = 0; r < m; ++r) Ops::scale(pt + r * lds, nq, s_scale);
                 cpu::amx_gemm_bf16(round32(m), lds, ab->ev_pad, ab->do_rows.data() + i0 * ab->ev_pad, ab->ev_pad,
                                    ab->v_tp.data(), 2 * n32, dpt, lds, false);  // dP = dO V^T
               }
             } else {
-              cpu::gemm(m, nq, E, s_scale, qt, hd.ldq, 1, k_t, ldt, acc_t(0), pt, nq);  // S2 = log2(e) scale Q K^T
               cpu::gemm(m, nq, Ev, acc_t(1), dot, hd.lddo, 1, v_t, ldt, acc_t(0), dpt, nq);  // dP = dO V^T
             }
             for (int64_t r = 0; r < m; ++r) {
@@ -820,7 +893,8 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
                 continue;
               }
               mask_row<scalar_t>(p, b, h, i, j0, nq, unit, prow);
-              Ops::exp_sub_sum(prow, nq, fold_scale ? s_scale : acc_t(1), hd.lse_h[i] * unit);
+              Ops::exp_sub_sum(prow, nq, fold_scale ? s_scale : acc_t(1), hd.row_sub[i]);
+              if (hd.exact[i]) Ops::scale(prow, nq, hd.row_inv[i]);
               if (p.dropout.enabled()) {
                 // O = sum_j P_j z_j V_j / (1 - p): the gradient wrt P_j is z_j dP_j / (1 - p),
                 // and dV takes the dropped, rescaled P.

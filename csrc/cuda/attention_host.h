@@ -205,7 +205,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_
     check_shared_memory(query, s);
     const at::Tensor rng_c = rng_state.contiguous();
     read_rng_on_device(p.dropout, rng_c, query);
-    at::Tensor row_dot = at::empty({B, Hq, L}, acc_opts);
+    at::Tensor row_stats = at::empty({3, B, Hq, L}, acc_opts);  // D, row_shift, row_log_norm
     // Atomic dQ accumulation unless deterministic algorithms are asked for;
     // then a second kernel recomputes dQ per query block.
     const bool deterministic = at::globalContext().deterministicAlgorithms();
@@ -214,7 +214,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_
     p.grad_k = dk_heads.data_ptr();
     p.grad_v = dv_heads.data_ptr();
     p.grad_mask = want_mask_grad ? dmask_full.data_ptr() : nullptr;
-    p.row_dot = row_dot.data_ptr();
+    p.row_dot = row_stats[0].data_ptr();
+    p.row_shift = row_stats[1].data_ptr();
+    p.row_log_norm = row_stats[2].data_ptr();
     p.grad_q_accum = deterministic ? nullptr : dq_accum.data_ptr();
     const simt::Stream stream = current_stream(query);
     dispatch_device_type(query.scalar_type(), "attention_backward", [&](auto elem) {

@@ -295,15 +295,19 @@ MHA_UNROLL
 
 // ---------------------------------------------------------------------------
 // Backward, shared by the key-block kernel and the dQ kernel: the probability
-// (after dropout) and dS of element (i, j) from its raw score s and dP.
+// (after dropout) and dS of element (i, j) from its raw score s and dP, with
+// the row's shift and log_norm (AttentionBwdParams::row_shift: lse and 0, or
+// the row's exact max and log(sum)); the min keeps P <= 1 where the row
+// statistics and this score were summed in different orders.
 // The mask gradient (dS itself) goes to grad_mask when that is not null.
 template <typename T, typename A>
 MHA_DEVICE void prob_and_grad(const AttentionBwdParams& p, DropoutKey key, int64_t b, int64_t h, int64_t i, int64_t j, A s,
-                              A dp, A lse, A d, A* grad_mask, A& prob, A& ds) {
+                              A dp, A shift, A log_norm, A d, A* grad_mask, A& prob, A& ds) {
   prob = A(0);
   ds = A(0);
-  if (i >= p.len_q || j >= p.len_kv || lse == A(-INFINITY)) return;  // fully masked row: no gradient
-  A pr = fexp(masked_score<T>(p, b, h, i, j, s) - lse);
+  if (i >= p.len_q || j >= p.len_kv || shift == A(-INFINITY)) return;  // fully masked row: no gradient
+  const A x = masked_score<T>(p, b, h, i, j, s) - shift;
+  A pr = fexp((x < A(0) ? x : A(0)) - log_norm);
   if (p.dropout.enabled()) {
     // O = sum_j P_j z_j V_j / (1 - p): dP_j picks up z_j / (1 - p), and dV takes the dropped P.
     const bool keep = dropout_keep(p.dropout, key, dropout_row(p, b, h, i), j);
@@ -318,8 +322,23 @@ MHA_DEVICE void prob_and_grad(const AttentionBwdParams& p, DropoutKey key, int64
   if (grad_mask != nullptr) grad_mask[((b * p.heads_q + h) * p.len_q + i) * p.len_kv + j] = ds;
 }
 
-// row_dot[(b, h, i)] = sum_e dO[i, e] * O[i, e]; grid (B * Hq, ceil(L / kDotRows)),
-// each warp kDotRows / warps rows, one at a time.
+// Score of query row i against key j of head (b, h), a dot product on the
+// CUDA cores (the exact row statistics below).
+template <typename T, typename A>
+MHA_DEVICE A row_score(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int64_t j) {
+  const T* q = as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h + i * p.q_stride.row;
+  const T* k = as<T>(p.k) + b * p.k_stride.b + (h / p.group_size()) * p.k_stride.h + j * p.k_stride.row;
+  A s = A(0);
+  for (int64_t e = 0; e < p.head_dim; ++e)
+    s += static_cast<A>(to_float(q[e * p.q_stride.col])) * static_cast<A>(to_float(k[e * p.k_stride.col]));
+  return masked_score<T>(p, b, h, i, j, s);
+}
+
+// row_dot[(b, h, i)] = sum_e dO[i, e] * O[i, e], and the row's row_shift /
+// row_log_norm: lse and 0, or where lse_needs_exact_stats the row's max and
+// log(sum) from a pass over its keys, a key per lane (padding rows and huge
+// logits only). Grid (B * Hq, ceil(L / kDotRows)), each warp kDotRows / warps
+// rows, one at a time.
 constexpr int kDotRows = 16;
 template <typename T>
 MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams p) {
@@ -336,7 +355,24 @@ MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams p) {
       for (int64_t e = lane; e < p.head_dim_v; e += kWarpSize)
         sum += static_cast<A>(to_float(go[e * p.grad_out_stride.col])) * static_cast<A>(to_float(o[e * p.out_stride.col]));
     for (int m = 16; m > 0; m /= 2) sum += shfl_xor(sum, m);
-    if (lane == 0 && i < p.len_q) static_cast<A*>(p.row_dot)[bh * p.len_q + i] = sum;
+    if (i >= p.len_q) continue;  // the same for the whole warp
+    const A lse = static_cast<const A*>(p.lse)[bh * p.len_q + i];
+    A shift = lse, log_norm = A(0);
+    if (lse_needs_exact_stats(lse)) {
+      A mx = A(-INFINITY), l = A(0);
+      for (int64_t j = lane; j < p.len_kv; j += kWarpSize) mx = nan_max(mx, row_score<T, A>(p, b, h, i, j));
+      for (int m = 16; m > 0; m /= 2) mx = nan_max(mx, shfl_xor(mx, m));
+      if (mx != A(-INFINITY))
+        for (int64_t j = lane; j < p.len_kv; j += kWarpSize) l += fexp(row_score<T, A>(p, b, h, i, j) - mx);
+      for (int m = 16; m > 0; m /= 2) l += shfl_xor(l, m);
+      shift = mx;
+      log_norm = l > A(0) ? flog(l) : A(0);
+    }
+    if (lane == 0) {
+      static_cast<A*>(p.row_dot)[bh * p.len_q + i] = sum;
+      static_cast<A*>(p.row_shift)[bh * p.len_q + i] = shift;
+      static_cast<A*>(p.row_log_norm)[bh * p.len_q + i] = log_norm;
+    }
   }
 }
 
@@ -356,8 +392,9 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams p) {
   T* q_s = v_s + kB * kLd;
   T* do_s = q_s + kB * kLd;
   T* t_s = do_s + kB * kLd;
-  A* lse_s = reinterpret_cast<A*>(t_s + kB * kLdP);
-  A* d_s = lse_s + kB;
+  A* shift_s = reinterpret_cast<A*>(t_s + kB * kLdP);
+  A* norm_s = shift_s + kB;
+  A* d_s = norm_s + kB;
 
   const int tid = static_cast<int>(thread_idx().x), lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int row0 = (warp % kRowWarps) * 16, c_base = (warp / kRowWarps) * kCols;
@@ -373,7 +410,8 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams p) {
             p.v_stride.col, j0, S, Ev);
   const T* q_g = as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h;
   const T* do_g = as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h;
-  const A* lse_g = static_cast<const A*>(p.lse) + bh * L;
+  const A* shift_g = static_cast<const A*>(p.row_shift) + bh * L;
+  const A* norm_g = static_cast<const A*>(p.row_log_norm) + bh * L;
   const A* d_g = static_cast<const A*>(p.row_dot) + bh * L;
   A* dq_g = static_cast<A*>(p.grad_q_accum);
   // The warps sharing rows exchange P^T / dS^T through t_s: a block barrier
@@ -396,7 +434,8 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams p) {
     load_tile(q_s, kLd, kB, kHeadDim, q_g, p.q_stride.row, p.q_stride.col, i0, L, E);
     load_tile(do_s, kLd, kB, kHeadDim, do_g, p.grad_out_stride.row, p.grad_out_stride.col, i0, L, Ev);
     for (int r = tid; r < kB; r += static_cast<int>(block_dim().x)) {
-      lse_s[r] = i0 + r < L ? lse_g[i0 + r] : A(-INFINITY);
+      shift_s[r] = i0 + r < L ? shift_g[i0 + r] : A(-INFINITY);
+      norm_s[r] = i0 + r < L ? norm_g[i0 + r] : A(0);
       d_s[r] = i0 + r < L ? d_g[i0 + r] : A(0);
     }
     sync_threads();
@@ -416,7 +455,7 @@ MHA_UNROLL
         for (int e = 0; e < 4; ++e) {
           const int rj = row0 + MmaLayout::c_row(lane, e), ci = 8 * t + MmaLayout::c_col(lane, e);
           A prob;
-          prob_and_grad<T>(p, key, b, h, i0 + ci, j0 + rj, st[t][e], dst[t][e], lse_s[ci], d_s[ci],
+          prob_and_grad<T>(p, key, b, h, i0 + ci, j0 + rj, st[t][e], dst[t][e], shift_s[ci], norm_s[ci], d_s[ci],
                            static_cast<A*>(p.grad_mask), prob, dst[t][e]);
           t_s[rj * kLdP + ci] = to_elem<T>(prob);
         }
@@ -496,11 +535,12 @@ MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams p) {
             p.grad_out_stride.row, p.grad_out_stride.col, i0, L, Ev);
   const T* k_g = as<T>(p.k) + b * p.k_stride.b + hk * p.k_stride.h;
   const T* v_g = as<T>(p.v) + b * p.v_stride.b + hk * p.v_stride.h;
-  A lse[2], dd[2];
+  A shift[2], norm[2], dd[2];
 MHA_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int64_t i = i0 + row0 + MmaLayout::c_row(lane, 2 * r);
-    lse[r] = i < L ? static_cast<const A*>(p.lse)[bh * L + i] : A(-INFINITY);
+    shift[r] = i < L ? static_cast<const A*>(p.row_shift)[bh * L + i] : A(-INFINITY);
+    norm[r] = i < L ? static_cast<const A*>(p.row_log_norm)[bh * L + i] : A(0);
     dd[r] = i < L ? static_cast<const A*>(p.row_dot)[bh * L + i] : A(0);
   }
   const bool writer = c_base == 0;
@@ -527,7 +567,7 @@ MHA_UNROLL
           const int ri = row0 + MmaLayout::c_row(lane, e), cj = 8 * t + MmaLayout::c_col(lane, e);
           A prob, ds;
           // the key-block kernel writes the mask gradient
-          prob_and_grad<T>(p, key, b, h, i0 + ri, j0 + cj, s[t][e], dp[t][e], lse[e / 2], dd[e / 2],
+          prob_and_grad<T>(p, key, b, h, i0 + ri, j0 + cj, s[t][e], dp[t][e], shift[e / 2], norm[e / 2], dd[e / 2],
                            static_cast<A*>(nullptr), prob, ds);
           t_s[ri * kLdP + cj] = to_elem<T>(ds);
         }

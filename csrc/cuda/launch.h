@@ -47,16 +47,17 @@ constexpr size_t fwd_shared_bytes() {
   return sizeof(T) * ((C::kFwdBlockM + 2 * C::kFwdBlockN) * C::kLd + C::kFwdBlockM * (C::kFwdBlockN + C::kPad));
 }
 
-// Backward (both kernels): K, V, Q, dO tiles, P^T / dS^T, lse and D.
-//   f16/bf16: D 64: 45.5 KiB, 128: 77.5 KiB, 256: 68.8 KiB
-//   float:    D 64: 38.8 KiB, 128: 70.8 KiB, 256: 66.4 KiB
-//   double:   D 64: 35.5 KiB, 128: 67.5 KiB, 256: 131.5 KiB
+// Backward (both kernels): K, V, Q, dO tiles, P^T / dS^T, and per row
+// shift, log_norm and D.
+//   f16/bf16: D 64: 45.8 KiB, 128: 77.8 KiB, 256: 68.9 KiB
+//   float:    D 64: 38.9 KiB, 128: 70.9 KiB, 256: 66.4 KiB
+//   double:   D 64: 35.6 KiB, 128: 67.6 KiB, 256: 131.6 KiB
 template <typename T, int kHeadDim>
 constexpr size_t bwd_shared_bytes() {
   using C = TileConfig<T, kHeadDim>;
   using A = typename AccOf<T>::type;
   return sizeof(T) * (4 * C::kBwdBlock * C::kLd + C::kBwdBlock * (C::kBwdBlock + C::kPad)) +
-         2 * C::kBwdBlock * sizeof(A);
+         3 * C::kBwdBlock * sizeof(A);
 }
 
 // Grid rows (y) a launch over `rows` in blocks of `block` needs; CUDA allows
