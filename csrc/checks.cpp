@@ -93,7 +93,7 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(value.size(-2) == s.len_kv, "value must have the same seq_len as key (", s.len_kv,
               "), got ", value.size(-2));
   if (enable_gqa) {
-    TORCH_CHECK(s.heads_kv > 0 && s.heads_q % s.heads_kv == 0, "query heads (", s.heads_q,
+    TORCH_CHECK(s.heads_q == s.heads_kv || (s.heads_kv > 0 && s.heads_q % s.heads_kv == 0), "query heads (", s.heads_q,
                 ") must be a multiple of key/value heads (", s.heads_kv, ") with enable_gqa=True");
   } else {
     TORCH_CHECK(s.heads_kv == s.heads_q, "key must have the same number of heads as query (",

@@ -120,8 +120,13 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
         mask = self._merge_masks(attn_mask, key_padding_mask, q.dtype, N, L, S)
         dropout_p = self.dropout if self.training else 0.0
+        all_dropped = dropout_p == 1.0  # as torch: every weight dropped, the output is out_proj's bias
+        if all_dropped:
+            dropout_p = 0.0
         rng_state = new_rng_state(q.device) if dropout_p > 0.0 else None
         out, lse, rng_used = torch.ops.mha_ext.attention(q, k, v, mask, dropout_p, use_causal, None, False, rng_state)
+        if all_dropped:
+            out = out * 0.0
         out = self.out_proj(out.transpose(1, 2).reshape(N, L, E))
         if batched and not self.batch_first:
             out = out.transpose(0, 1)
@@ -131,6 +136,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if not need_weights:
             return out, None
         weights = self._weights(q, k, mask, lse, dropout_p, rng_used)
+        if all_dropped:
+            weights = weights * 0.0
         if average_attn_weights:
             weights = weights.mean(dim=1)
         if not batched:

@@ -6,6 +6,7 @@ point a C++-first user at it.
 The input checks below mirror csrc/checks.cpp word for word, so an error reads
 the same in eager mode and under torch.compile / torch.export.
 """
+import numbers
 from typing import Optional
 
 import torch
@@ -71,7 +72,7 @@ def check_attention_inputs(query, key, value, attn_mask, dropout_p, enable_gqa):
     _check(value.shape[-2] == S, lambda: f"value must have the same seq_len as key ({S}), got {value.shape[-2]}")
     if enable_gqa:
         _check(
-            hkv > 0 and hq % hkv == 0,
+            hq == hkv or (hkv > 0 and hq % hkv == 0),
             lambda: f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) with enable_gqa=True",
         )
     else:
@@ -229,6 +230,51 @@ def new_rng_state(device=None) -> Optional[torch.Tensor]:
     return torch.randint(0, 2**62, (2,), dtype=torch.int64)
 
 
+def _dropout_arg(dropout_p) -> float:
+    """dropout_p as torch's SDPA takes it: a real number (the range is the op's check)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(
+            f"scaled_dot_product_attention(): argument 'dropout_p' must be float, not {type(dropout_p).__name__}"
+        )
+    return float(dropout_p)
+
+
+def _broadcast_inputs(query, key, value, enable_gqa):
+    """The shapes torch's SDPA accepts beyond the op's (N..., H, L, E) with
+    equal batch dims: 2-D inputs, inputs of different ranks, batch dims that
+    broadcast (sizes 1), and a head dim of 1 against H heads without GQA.
+    Returns query, key, value as expanded views of one rank (no copies; the
+    kernels read stride-0 dims in place and autograd sums the gradients of
+    the expanded dims) and the rank of the output."""
+    dims = (query.dim(), key.dim(), value.dim())
+    if min(dims) < 2:
+        raise RuntimeError(
+            "query, key and value must all have at least 2 dims (..., seq_len, head_dim), got "
+            f"query.dim: {dims[0]}, key.dim: {dims[1]} and value.dim: {dims[2]}"
+        )
+    out_rank = max(dims)
+    if dims[0] == dims[1] == dims[2] >= 3 and query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
+        hq, hk = query.shape[-3], key.shape[-3]
+        if hq == hk or (enable_gqa and hk > 0 and hq % hk == 0) or key.shape[-3] != value.shape[-3]:
+            return query, key, value, out_rank  # the op's own shapes (or its clear errors)
+    rank = max(out_rank, 3)
+    q, k, v = (t.view((1,) * (rank - t.dim()) + tuple(t.shape)) for t in (query, key, value))
+    try:
+        batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    except RuntimeError:
+        raise RuntimeError(
+            f"the batch dims of query {_fmt(q.shape[:-3])}, key {_fmt(k.shape[:-3])} and value "
+            f"{_fmt(v.shape[:-3])} must broadcast (each dim equal or 1)"
+        ) from None
+    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    if hk == hv and hq != hk and (hq == 1 or hk == 1) and not (enable_gqa and hk > 0 and hq % hk == 0):
+        hq = hk = hv = max(hq, hk)  # a single head broadcasts, as in torch
+    q = q.expand(batch + (hq,) + tuple(q.shape[-2:]))
+    k = k.expand(batch + (hk,) + tuple(k.shape[-2:]))
+    v = v.expand(batch + (hv,) + tuple(v.shape[-2:]))
+    return q, k, v, out_rank
+
+
 def scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -244,9 +290,25 @@ def scaled_dot_product_attention(
     query (N..., Hq, L, E), key (N..., Hkv, S, E), value (N..., Hkv, S, Ev) ->
     (N..., Hq, L, Ev). attn_mask is bool (True = may attend) or float (added to
     the scores), broadcastable to (N..., Hq, L, S); is_causal (top-left) may be
-    combined with it. A query row that can attend to no key gives 0."""
+    combined with it. A query row that can attend to no key gives 0.
+
+    As in torch: 2-D inputs (L, E), inputs of different ranks and batch dims
+    that broadcast are accepted (as stride-0 views, never copied), and
+    dropout_p=1.0 drops everything (zeros; NaN stays NaN)."""
+    dropout_p = _dropout_arg(dropout_p)
+    query, key, value, out_rank = _broadcast_inputs(query, key, value, enable_gqa)
+    if enable_gqa and key.shape[-3] == 0 and value.shape[-3] == 0 and query.shape[-3] > 0:
+        # torch gives zeros here (no key/value head to attend to)
+        return query.new_zeros(tuple(query.shape[:-1]) + (value.shape[-1],))
+    all_dropped = dropout_p == 1.0
+    if all_dropped:
+        dropout_p = 0.0
     rng_state = new_rng_state(query.device) if dropout_p > 0.0 else None
     out, _, _ = torch.ops.mha_ext.attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng_state
     )
+    if all_dropped:
+        out = out * 0.0
+    if out.dim() > out_rank:
+        out = out.view(out.shape[out.dim() - out_rank:])
     return out
