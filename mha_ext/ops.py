@@ -181,12 +181,54 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, rng_used)
 
 
+def _composite_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng_state):
+    """The op's forward in differentiable torch ops, the same semantics (rows
+    with no key to attend to give 0, the op's dropout mask): what a second
+    order gradient differentiates. Materialises the (..., Hq, L, S) scores, in
+    float32 (float64 for float64)."""
+    acc = _acc_dtype(query.dtype)
+    q, k, v = query.to(acc), key.to(acc), value.to(acc)
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hq != hkv:
+        k, v = k.repeat_interleave(hq // hkv, dim=-3), v.repeat_interleave(hq // hkv, dim=-3)
+    L, S = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    visible = torch.ones(L, S, dtype=torch.bool, device=q.device)
+    if is_causal:
+        visible = visible.tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            visible = visible & attn_mask
+        else:
+            scores = scores + attn_mask.to(acc)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    any_key = (scores > float("-inf")).any(dim=-1, keepdim=True)
+    probs = torch.where(any_key, torch.softmax(torch.where(any_key, scores, 0.0), dim=-1), 0.0)
+    if dropout_p > 0.0:
+        keep = torch.ops.mha_ext.dropout_mask(rng_state.cpu(), list(probs.shape), dropout_p).to(probs.device)
+        probs = probs * keep / (1.0 - dropout_p)
+    return (probs @ v).to(query.dtype)
+
+
 def _backward(ctx, grad_out, grad_lse, grad_rng):
     query, key, value, out, lse, rng_used, *rest = ctx.saved_tensors
     attn_mask = rest[0] if ctx.has_mask else None
     dropout_p, is_causal, scale, enable_gqa = ctx.args
     if grad_out is None:
         grad_out = torch.zeros_like(out)
+    if torch.is_grad_enabled():
+        # backward(create_graph=True): the gradients must be differentiable
+        # themselves, so they come from the composite forward (O(L x S) memory
+        # per head) instead of the fused backward
+        wanted = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.mask_requires_grad]
+        inputs = [query, key, value, attn_mask]
+        recomputed = _composite_attention(query, key, value, attn_mask, *ctx.args[:4], rng_used)
+        grads = torch.autograd.grad(recomputed, [t for t, w in zip(inputs, wanted) if w], grad_out,
+                                    create_graph=True)
+        it = iter(grads)
+        gq, gk, gv, gm = (next(it) if w else None for w in wanted)
+        return gq, gk, gv, gm, None, None, None, None, None
     gq, gk, gv, gm = torch.ops.mha_ext.attention_backward(
         grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng_used,
         ctx.mask_requires_grad,
@@ -199,13 +241,13 @@ torch.library.register_autograd("mha_ext::attention", _backward, setup_context=_
 
 def _double_backward(ctx, *grads):
     raise RuntimeError(
-        "mha_ext: double backward (a gradient of mha_ext::attention_backward) is not supported; "
-        "for second-order gradients use torch.nn.functional.scaled_dot_product_attention"
+        "mha_ext: mha_ext::attention_backward is not differentiable; second-order gradients of "
+        "mha_ext::attention come from backward(create_graph=True), which uses a differentiable composite"
     )
 
 
-# Without this, autograd would pass through attention_backward as if it were
-# constant and a second-order gradient would come out silently zero.
+# Without this, autograd would pass through a direct call of attention_backward
+# as if it were constant and a gradient of it would come out silently zero.
 torch.library.register_autograd("mha_ext::attention_backward", _double_backward)
 
 

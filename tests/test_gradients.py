@@ -153,12 +153,74 @@ def test_backward_independent_of_thread_count(B, Hkv, L, S):
             assert torch.equal(a, b)
 
 
-def test_double_backward_is_refused_not_silently_zero():
+# Second order: backward(create_graph=True) takes its gradients from a
+# differentiable composite of the forward, so gradgradcheck runs through it.
+GRADGRAD_CASES = {
+    "plain": ((1, 2, 4, 3), (1, 2, 5, 3), (1, 2, 5, 2), lambda: {}),
+    "causal L>S": ((1, 1, 5, 3), (1, 1, 3, 3), (1, 1, 3, 3), lambda: {"is_causal": True}),
+    "gqa": ((1, 4, 3, 3), (1, 2, 4, 3), (1, 2, 4, 3), lambda: {"enable_gqa": True}),
+    "bool mask + fully masked row": ((1, 2, 3, 3), (1, 2, 4, 3), (1, 2, 4, 3),
+                                     lambda: {"attn_mask": torch.tensor([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 1]]).bool()}),
+    "bool mask broadcast + causal": ((2, 2, 4, 3), (2, 2, 4, 3), (2, 2, 4, 3),
+                                     lambda: {"attn_mask": torch.tensor([[1, 1, 0, 1]]).bool(), "is_causal": True}),
+    "two batch dims": ((2, 1, 1, 3, 3), (2, 1, 1, 4, 3), (2, 1, 1, 4, 2), lambda: {"scale": 0.7}),
+}
+
+
+@pytest.mark.parametrize("name", list(GRADGRAD_CASES))
+def test_gradgradcheck(name):
+    qs, ks, vs, kw = GRADGRAD_CASES[name]
+    q, k, v = leaf(*qs), leaf(*ks), leaf(*vs)
+    kwargs = kw()
+    assert torch.autograd.gradgradcheck(lambda q, k, v: sdpa(q, k, v, **kwargs), (q, k, v))
+
+
+@pytest.mark.parametrize("mask_shape", [(3, 4), (2, 1, 1, 4), (2, 2, 3, 4)])
+def test_gradgradcheck_float_mask(mask_shape):
+    q, k, v, m = leaf(2, 2, 3, 3), leaf(2, 2, 4, 3), leaf(2, 2, 4, 3), leaf(*mask_shape)
+    assert torch.autograd.gradgradcheck(lambda q, k, v, m: sdpa(q, k, v, attn_mask=m, is_causal=True), (q, k, v, m))
+
+
+def test_gradgradcheck_dropout_fixed_seed():
+    q, k, v, m = leaf(1, 2, 3, 3), leaf(1, 2, 4, 3), leaf(1, 2, 4, 2), leaf(3, 4)
+    rng = torch.tensor([1234, 5], dtype=torch.int64)
+
+    def f(q, k, v, m):
+        return torch.ops.mha_ext.attention(q, k, v, m, 0.3, True, None, False, rng)[0]
+
+    assert torch.autograd.gradgradcheck(f, (q, k, v, m))
+
+
+def test_second_order_matches_reference():
+    # a gradient penalty: d/dq of |dL/dk|^2, against autograd through the reference
+    q, k, v = leaf(2, 4, 6, 5), leaf(2, 2, 7, 5), leaf(2, 2, 7, 4)
+    m = torch.rand(6, 7) > 0.3
+    results = []
+    for fn in (sdpa, R.attention):
+        out = fn(q, k, v, attn_mask=m, is_causal=True, enable_gqa=True)
+        (gk,) = torch.autograd.grad(out.pow(2).sum(), k, create_graph=True)
+        results.append(torch.autograd.grad(gk.pow(2).sum(), (q, k, v)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_create_graph_first_order_equals_fused():
+    q, k, v = leaf(1, 2, 9, 4, dtype=torch.float32), leaf(1, 2, 11, 4, dtype=torch.float32), leaf(1, 2, 11, 4, dtype=torch.float32)
+    out = sdpa(q, k, v, is_causal=True)
+    g = torch.randn_like(out)
+    fused = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+    composite = torch.autograd.grad(out, (q, k, v), g, create_graph=True)
+    for a, b in zip(fused, composite):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_of_a_direct_backward_call_is_refused_not_silently_zero():
     q = leaf(1, 1, 3, 4)
-    out = sdpa(q, q, q)
-    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="double backward .* is not supported"):
-        torch.autograd.grad(g.sum(), q)
+    out, lse, rng = torch.ops.mha_ext.attention(q, q, q)
+    gq, _, _, _ = torch.ops.mha_ext.attention_backward(torch.ones_like(out), q, q, q, out, lse, None, 0.0, False,
+                                                       None, False, rng, False)
+    with pytest.raises(RuntimeError, match="attention_backward is not differentiable"):
+        torch.autograd.grad(gq.sum(), q)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -233,3 +233,16 @@ def test_dropout_only_in_training_and_weights_consistent():
     vh = nn.functional.linear(v, ours.in_proj_weight[32:], ours.in_proj_bias[32:]).unflatten(-1, (2, 8)).transpose(1, 2)
     recon = ours.out_proj((w @ vh).transpose(1, 2).flatten(-2))
     torch.testing.assert_close(out, recon)
+
+
+@pytest.mark.parametrize("cfg_name", ["batch_first", "kdim/vdim", "bias_kv + zero_attn"])
+def test_gradgradcheck_module(cfg_name):
+    cfg = dict(CONFIGS[cfg_name])
+    cfg.update(embed_dim=4, num_heads=2)
+    if "kdim" in cfg:
+        cfg.update(kdim=3, vdim=2)
+    ours, _ = pair(cfg)
+    q, k, v = (t.requires_grad_() for t in inputs(cfg, N=1, L=2, S=3))
+    kpm = torch.tensor([[False, False, True]])
+    assert torch.autograd.gradgradcheck(
+        lambda q, k, v: ours(q, k, v, key_padding_mask=kpm, need_weights=False)[0], (q, k, v))
