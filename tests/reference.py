@@ -6,24 +6,20 @@ import numpy as np
 import torch
 
 
-def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-              keep=None, dropout_p=0.0, compute_dtype=torch.float64):
-    """softmax(scale * q k^T + mask) v in float64, SDPA semantics.
-
-    compute_dtype: float64 for the reference; the inputs' own dtype gives what
-    plain eager PyTorch gets in that dtype (every op rounding to it), the
-    yardstick for half and bfloat16 kernels.
+def probabilities(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+                  compute_dtype=torch.float64):
+    """softmax(scale * q k^T + mask) in compute_dtype, SDPA semantics, with the
+    key/value heads repeated for GQA: (..., Hq, L, S). A row with no key to
+    attend to is 0. Differentiable (autograd).
 
     attn_mask: bool (True = may attend) or float (added), broadcastable to
     (..., Hq, L, S). is_causal: query i sees keys 0..i (top-left), applied
-    together with attn_mask. keep: bool dropout keep-mask (..., Hq, L, S).
-    A row with no key to attend to gives 0. Differentiable (autograd)."""
-    q, k, v = query.to(compute_dtype), key.to(compute_dtype), value.to(compute_dtype)
+    together with attn_mask."""
+    q, k = query.to(compute_dtype), key.to(compute_dtype)
     hq, hkv = q.shape[-3], k.shape[-3]
     if hq != hkv:
         assert enable_gqa and hq % hkv == 0
         k = k.repeat_interleave(hq // hkv, dim=-3)
-        v = v.repeat_interleave(hq // hkv, dim=-3)
     L, S = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale
@@ -39,10 +35,62 @@ def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, en
     scores = scores.masked_fill(~allowed, float("-inf"))
     any_key = allowed.any(dim=-1, keepdim=True) & (scores > float("-inf")).any(dim=-1, keepdim=True)
     probs = torch.softmax(torch.where(any_key, scores, 0.0), dim=-1)
-    probs = torch.where(any_key, probs, 0.0)
+    return torch.where(any_key, probs, 0.0)
+
+
+def _repeat_kv(t, hq):
+    return t if t.shape[-3] == hq else t.repeat_interleave(hq // t.shape[-3], dim=-3)
+
+
+def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+              keep=None, dropout_p=0.0, compute_dtype=torch.float64):
+    """softmax(scale * q k^T + mask) v in float64, SDPA semantics.
+
+    compute_dtype: float64 for the reference; the inputs' own dtype gives what
+    plain eager PyTorch gets in that dtype (every op rounding to it), the
+    yardstick for half and bfloat16 kernels. Masks and is_causal as in
+    probabilities(). keep: bool dropout keep-mask (..., Hq, L, S).
+    A row with no key to attend to gives 0. Differentiable (autograd)."""
+    probs = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, compute_dtype)
     if keep is not None:
         probs = probs * keep.to(compute_dtype) / (1.0 - dropout_p)
-    return probs @ v
+    return probs @ _repeat_kv(value.to(compute_dtype), query.shape[-3])
+
+
+def magnitudes(query, key, value, grad_out, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+               keep=None, dropout_p=0.0):
+    """For each result (out, dq, dk, dv, dmask), the magnitude of the terms
+    summed into each element, in float64: the sums with every term replaced by
+    its absolute value. The scale against which a rounding error is judged.
+    dk and dv are per key/value head (summed over a GQA group), dmask is
+    (..., Hq, L, S) before any broadcast is summed out (sum_to)."""
+    with torch.no_grad():
+        hq = query.shape[-3]
+        q, k, v, go = (t.double() for t in (query, key, value, grad_out))
+        kr, vr = _repeat_kv(k, hq).abs(), _repeat_kv(v, hq).abs()
+        p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa)
+        pd = p if keep is None else p * keep.double() / (1.0 - dropout_p)
+        sc = abs(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+        d = ((pd @ vr) * go.abs()).sum(-1, keepdim=True)  # D = rowsum(dO * O), O's terms included
+        dp = go.abs() @ vr.transpose(-2, -1)
+        if keep is not None:
+            dp = dp * keep.double() / (1.0 - dropout_p)
+        ds = p * (dp + d)
+
+        def per_kv_head(t):  # (..., Hq, S, X) -> (..., Hkv, S, X)
+            g = hq // key.shape[-3]
+            return t.unflatten(-3, (key.shape[-3], g)).sum(-3)
+
+        return {"out": pd @ vr, "dq": sc * ds @ kr, "dk": per_kv_head(sc * ds.transpose(-2, -1) @ q.abs()),
+                "dv": per_kv_head(pd.transpose(-2, -1) @ go.abs()), "dmask": ds}
+
+
+def sum_to(t, shape):
+    """t summed over the dims that broadcast to it from `shape` (a mask's)."""
+    lead = t.dim() - len(shape)
+    t = t.sum(dim=tuple(range(lead))) if lead > 0 else t
+    dims = tuple(i for i, n in enumerate(shape) if n == 1 and t.shape[i] != 1)
+    return t.sum(dim=dims, keepdim=True) if dims else t
 
 
 def logsumexp(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
