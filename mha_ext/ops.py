@@ -272,12 +272,26 @@ def new_rng_state(device=None) -> Optional[torch.Tensor]:
     return torch.randint(0, 2**62, (2,), dtype=torch.int64)
 
 
-def _dropout_arg(dropout_p) -> float:
-    """dropout_p as torch's SDPA takes it: a real number (the range is the op's check)."""
+def _type_error(name, position, want, got):
+    where = f" (position {position})" if position else ""
+    return TypeError(f"scaled_dot_product_attention(): argument '{name}'{where} must be {want}, not {type(got).__name__}")
+
+
+def _check_arg_types(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> float:
+    """The argument types torch's SDPA takes, with its TypeError messages (the
+    values are the op's checks). Returns dropout_p as a float."""
+    for i, (name, t) in enumerate((("query", query), ("key", key), ("value", value)), 1):
+        if not isinstance(t, torch.Tensor):
+            raise _type_error(name, i, "Tensor", t)
+    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
+        raise _type_error("attn_mask", 4, "Tensor", attn_mask)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(
-            f"scaled_dot_product_attention(): argument 'dropout_p' must be float, not {type(dropout_p).__name__}"
-        )
+        raise _type_error("dropout_p", 0, "float", dropout_p)
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(flag, bool):
+            raise _type_error(name, 0, "bool", flag)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise _type_error("scale", 0, "float", scale)
     return float(dropout_p)
 
 
@@ -337,7 +351,7 @@ def scaled_dot_product_attention(
     As in torch: 2-D inputs (L, E), inputs of different ranks and batch dims
     that broadcast are accepted (as stride-0 views, never copied), and
     dropout_p=1.0 drops everything (zeros; NaN stays NaN)."""
-    dropout_p = _dropout_arg(dropout_p)
+    dropout_p = _check_arg_types(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     query, key, value, out_rank = _broadcast_inputs(query, key, value, enable_gqa)
     if enable_gqa and key.shape[-3] == 0 and value.shape[-3] == 0 and query.shape[-3] > 0:
         # torch gives zeros here (no key/value head to attend to)

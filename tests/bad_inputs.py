@@ -1,0 +1,163 @@
+"""The catalogue of bad inputs for tests/test_bad_inputs.py: each case is a
+snippet run in a process of its own, and what it must do: raise a clear error
+(its type and a pattern of its message, which names the argument and says what
+was expected and what came), or behave as torch does (the snippet asserts it).
+
+Snippets see: torch, F (torch.nn.functional), mha_ext, sdpa (the drop-in), op
+(torch.ops.mha_ext), MHA (mha_ext.MultiheadAttention), and t(*shape, dtype=)
+for random tensors."""
+import traceback
+
+PRELUDE = """
+import torch
+import torch.nn.functional as F
+import mha_ext
+sdpa = mha_ext.scaled_dot_product_attention
+op = torch.ops.mha_ext
+MHA = mha_ext.MultiheadAttention
+torch.manual_seed(0)
+def t(*shape, dtype=torch.float32):
+    x = torch.randn(*shape, dtype=torch.float64)
+    return x.to(dtype) if dtype.is_floating_point else x.round().to(dtype)
+q, k, v = t(2, 4, 6, 8), t(2, 4, 5, 8), t(2, 4, 5, 3)
+def same_as_torch(ours, theirs):
+    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+    torch.testing.assert_close(ours, theirs, equal_nan=True)
+"""
+
+
+def R(exc, pattern):  # must raise exc with a message matching pattern
+    return ("raises", exc, pattern)
+
+
+TORCH = ("passes",)  # the snippet compares with torch (or asserts the defined behaviour) itself
+
+CASES = {
+    # -- types ------------------------------------------------------------
+    "query not a tensor": ("sdpa([1.0], k, v)", R("TypeError", r"argument 'query' \(position 1\) must be Tensor, not list")),
+    "value None": ("sdpa(q, k, None)", R("TypeError", r"argument 'value' \(position 3\) must be Tensor, not NoneType")),
+    "attn_mask a list": ("sdpa(q, k, v, attn_mask=[[True]])", R("TypeError", r"argument 'attn_mask' \(position 4\) must be Tensor")),
+    "dropout_p a string": ("sdpa(q, k, v, dropout_p='x')", R("TypeError", r"argument 'dropout_p' must be float, not str")),
+    "scale a string": ("sdpa(q, k, v, scale='x')", R("TypeError", r"argument 'scale' must be float, not str")),
+    "is_causal a string": ("sdpa(q, k, v, is_causal='yes')", R("TypeError", r"argument 'is_causal' must be bool, not str")),
+    "integer query": ("sdpa(t(2, 4, 6, 8, dtype=torch.int64), k, v)",
+                      R("RuntimeError", r"query must be a floating-point tensor .* got torch.int64")),
+    "bool value": ("sdpa(q, k, t(2, 4, 5, 3, dtype=torch.bool))",
+                   R("RuntimeError", r"value must be a floating-point tensor .* got torch.bool")),
+    "complex query": ("sdpa(q.cfloat(), k.cfloat(), v.cfloat())",
+                      R("RuntimeError", r"query must be a floating-point tensor .* got torch.complex64")),
+    "key float64, query float32": ("sdpa(q, k.double(), v)",
+                                   R("RuntimeError", r"key must have the same dtype as query \(torch.float32\), got torch.float64")),
+    "value float16, query float32": ("sdpa(q, k, v.half())",
+                                     R("RuntimeError", r"value must have the same dtype as query \(torch.float32\), got torch.float16")),
+    "integer mask": ("sdpa(q, k, v, attn_mask=t(6, 5, dtype=torch.int64))",
+                     R("RuntimeError", r"attn_mask must be bool or query's dtype \(torch.float32\), got torch.int64")),
+    "float64 mask, float32 query": ("sdpa(q, k, v, attn_mask=t(6, 5, dtype=torch.float64))",
+                                    R("RuntimeError", r"attn_mask must be bool or query's dtype \(torch.float32\), got torch.float64")),
+    # -- shapes -----------------------------------------------------------
+    "1-D inputs": ("sdpa(t(8), t(8), t(8))", R("RuntimeError", r"at least 2 dims .* got query.dim: 1, key.dim: 1 and value.dim: 1")),
+    "head_dim mismatch": ("sdpa(q, t(2, 4, 5, 7), v)", R("RuntimeError", r"key must have the same head_dim as query \(8\), got 7")),
+    "value length differs from key": ("sdpa(q, k, t(2, 4, 6, 3))",
+                                      R("RuntimeError", r"value must have the same seq_len as key \(5\), got 6")),
+    "value heads differ from key": ("sdpa(q, k, t(2, 2, 5, 3))",
+                                    R("RuntimeError", r"value must have the same number of heads as key \(4\), got 2")),
+    "heads differ without enable_gqa": ("sdpa(q, t(2, 2, 5, 8), t(2, 2, 5, 3))",
+                                        R("RuntimeError", r"key must have the same number of heads as query \(4\) unless enable_gqa=True, got 2")),
+    "GQA heads not a multiple": ("sdpa(t(2, 6, 6, 8), k, v, enable_gqa=True)",
+                                 R("RuntimeError", r"query heads \(6\) must be a multiple of key/value heads \(4\)")),
+    "batch dims that do not broadcast": ("sdpa(q, t(3, 4, 5, 8), t(3, 4, 5, 3))",
+                                         R("RuntimeError", r"batch dims of query \(2\), key \(3\) and value \(3\) must broadcast")),
+    "mask of the wrong shape": ("sdpa(q, k, v, attn_mask=t(3, 3))",
+                                R("RuntimeError", r"attn_mask must broadcast to \(N..., Hq, L, S\) = \(2, 4, 6, 5\), got \(3, 3\)")),
+    "mask with too many dims": ("sdpa(q, k, v, attn_mask=t(1, 2, 4, 6, 5))",
+                                R("RuntimeError", r"attn_mask must broadcast to .* got \(1, 2, 4, 6, 5\)")),
+    "mask transposed (S, L)": ("sdpa(q, k, v, attn_mask=t(5, 6) > 0)",
+                               R("RuntimeError", r"attn_mask must broadcast to .* got \(5, 6\)")),
+    "head dim 300 (no limit on the CPU)": ("a, b, w = t(1, 1, 3, 300), t(1, 1, 4, 300), t(1, 1, 4, 2)\n"
+                                           "same_as_torch(sdpa(a, b, w), F.scaled_dot_product_attention(a, b, w))", TORCH),
+    # -- values -----------------------------------------------------------
+    "dropout_p above 1": ("sdpa(q, k, v, dropout_p=1.5)", R("RuntimeError", r"dropout_p must be in \[0, 1\), got 1.5")),
+    "dropout_p negative": ("sdpa(q, k, v, dropout_p=-0.1)", R("RuntimeError", r"dropout_p must be in \[0, 1\), got -0.1")),
+    "dropout_p NaN": ("sdpa(q, k, v, dropout_p=float('nan'))", R("RuntimeError", r"dropout_p must be in \[0, 1\), got nan")),
+    "dropout_p 1 (everything dropped)": ("same_as_torch(sdpa(q, k, v, dropout_p=1.0), F.scaled_dot_product_attention(q, k, v, dropout_p=1.0))", TORCH),
+    "scale 0 (uniform weights)": ("same_as_torch(sdpa(q, k, v, scale=0.0), F.scaled_dot_product_attention(q, k, v, scale=0.0))", TORCH),
+    "scale negative": ("same_as_torch(sdpa(q, k, v, scale=-0.5), F.scaled_dot_product_attention(q, k, v, scale=-0.5))", TORCH),
+    "scale NaN gives NaN": ("assert torch.isnan(sdpa(q, k, v, scale=float('nan'))).all()", TORCH),
+    "head dim 0 (scores 0: uniform)": ("a, b = t(1, 2, 3, 0), t(1, 2, 4, 0); w = t(1, 2, 4, 5)\n"
+                                       "same_as_torch(sdpa(a, b, w), F.scaled_dot_product_attention(a, b, w))", TORCH),
+    "query length 0": ("assert sdpa(t(2, 4, 0, 8), k, v).shape == (2, 4, 0, 3)", TORCH),
+    "key length 0 (no key: zeros)": ("out = sdpa(q, t(2, 4, 0, 8), t(2, 4, 0, 3)); assert out.shape == (2, 4, 6, 3) and (out == 0).all()", TORCH),
+    "every key masked with -inf (zeros, not NaN)": (
+        "m = torch.full((6, 5), float('-inf')); out = sdpa(q, k, v, attn_mask=m)\n"
+        "assert (out == 0).all()\n"
+        "x = q.clone().requires_grad_(); sdpa(x, k, v, attn_mask=m).sum().backward(); assert (x.grad == 0).all()", TORCH),
+    "NaN in one query row stays in that row": (
+        "x = q.clone(); x[0, 1, 2, 3] = float('nan'); out = sdpa(x, k, v)\n"
+        "rows = torch.isnan(out).any(-1); assert rows.sum() == 1 and rows[0, 1, 2]", TORCH),
+    "inf in a key": ("x = k.clone(); x[0, 0, 1, 0] = float('inf')\n"
+                     "same_as_torch(sdpa(q, x, v), F.scaled_dot_product_attention(q, x, v))", TORCH),
+    "output larger than memory": ("sdpa(t(1, 1, 1, 8).expand(1, 1, 2**40, 8), k[:1, :1], v[:1, :1])",
+                                  R("RuntimeError", r"(?i)alloc|memory")),
+    # -- devices ----------------------------------------------------------
+    "mask on the meta device": ("sdpa(q, k, v, attn_mask=torch.zeros(6, 5, device='meta'))",
+                                R("RuntimeError", r"attn_mask must be on the same device as query \(cpu\), got meta")),
+    "key on the meta device": ("sdpa(q, torch.empty(2, 4, 5, 8, device='meta'), v)",
+                               R("RuntimeError", r"key must be on the same device as query \(cpu\), got meta")),
+    # -- the ops' own arguments ------------------------------------------
+    "rng_state of the wrong dtype": ("op.attention(q, k, v, None, 0.1, False, None, False, torch.zeros(2))",
+                                     R("RuntimeError", r"rng_state must be an int64 tensor of shape \(2\) .* got torch.float32 of shape \(2\)")),
+    "rng_state of the wrong shape": ("op.attention(q, k, v, None, 0.1, False, None, False, torch.zeros(3, dtype=torch.int64))",
+                                     R("RuntimeError", r"rng_state must be an int64 tensor of shape \(2\) .* got torch.int64 of shape \(3\)")),
+    "backward: grad_out of the wrong shape": (
+        "out, lse, rng = op.attention(q, k, v)\n"
+        "op.attention_backward(t(2, 4, 6, 4), q, k, v, out, lse, None, 0.0, False, None, False, rng, False)",
+        R("RuntimeError", r"grad_out must have shape \(2, 4, 6, 3\), got \(2, 4, 6, 4\)")),
+    "backward: logsumexp of the wrong dtype": (
+        "out, lse, rng = op.attention(q, k, v)\n"
+        "op.attention_backward(out, q, k, v, out, lse.double(), None, 0.0, False, None, False, rng, False)",
+        R("RuntimeError", r"logsumexp must have dtype torch.float32, got torch.float64")),
+    "backward: out of the wrong shape": (
+        "out, lse, rng = op.attention(q, k, v)\n"
+        "op.attention_backward(out, q, k, v, out[:, :, :5], lse, None, 0.0, False, None, False, rng, False)",
+        R("RuntimeError", r"out must have shape \(2, 4, 6, 3\), got \(2, 4, 5, 3\)")),
+    "dropout_mask: empty shape": ("op.dropout_mask(torch.zeros(2, dtype=torch.int64), [], 0.1)",
+                                  R("RuntimeError", r"shape must have at least 1 dim, got \(\)")),
+    "dropout_mask: p out of range": ("op.dropout_mask(torch.zeros(2, dtype=torch.int64), [4], 2.0)",
+                                     R("RuntimeError", r"dropout_p must be in \[0, 1\), got 2")),
+    # -- the module -------------------------------------------------------
+    "module: embed_dim not divisible by num_heads": ("MHA(10, 3)", R("ValueError", r"embed_dim must be divisible by num_heads")),
+    "module: query of the wrong embed_dim": ("m = MHA(8, 2, batch_first=True); x = t(2, 3, 8); m(t(2, 3, 6), x, x)",
+                                             R("RuntimeError", r"query's last dim must be embed_dim \(8\), got 6")),
+    "module: key_padding_mask of the wrong shape": (
+        "m = MHA(8, 2, batch_first=True); x = t(2, 3, 8); m(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))",
+        R("RuntimeError", r"expecting key_padding_mask shape of \(2, 3\), but got \(2, 4\)")),
+    "module: integer key_padding_mask": (
+        "m = MHA(8, 2, batch_first=True); x = t(2, 3, 8); m(x, x, x, key_padding_mask=torch.zeros(2, 3, dtype=torch.int64))",
+        R("RuntimeError", r"only bool and floating types of key_padding_mask are supported, got torch.int64")),
+    "module: 2-D attn_mask of the wrong shape": (
+        "m = MHA(8, 2, batch_first=True); x = t(2, 3, 8); m(x, x, x, attn_mask=torch.zeros(3, 4, dtype=torch.bool))",
+        R("RuntimeError", r"The shape of the 2D attn_mask is \(3, 4\), but should be \(3, 3\)")),
+    "module: 3-D attn_mask of the wrong shape": (
+        "m = MHA(8, 2, batch_first=True); x = t(2, 3, 8); m(x, x, x, attn_mask=torch.zeros(3, 3, 3, dtype=torch.bool))",
+        R("RuntimeError", r"The shape of the 3D attn_mask is \(3, 3, 3\), but should be \(4, 3, 3\)")),
+    "module: is_causal without attn_mask": ("m = MHA(8, 2, batch_first=True); x = t(2, 3, 8); m(x, x, x, is_causal=True)",
+                                            R("RuntimeError", r"Need attn_mask if specifying the is_causal hint")),
+    "module: key and value of different lengths": (
+        "m = MHA(8, 2, batch_first=True); m(t(2, 3, 8), t(2, 4, 8), t(2, 5, 8))",
+        R("RuntimeError", r"key and value must share batch and sequence dims")),
+}
+
+
+def run_case(name, conn):
+    """Runs one case in this (forked) process and sends back what happened:
+    ("ok",) or ("raised", type name, message, traceback)."""
+    snippet, _ = CASES[name]
+    try:
+        env = {}
+        exec(PRELUDE, env)
+        exec(snippet, env)
+        conn.send(("ok",))
+    except BaseException as e:  # noqa: BLE001 - the catalogue reports every kind
+        conn.send(("raised", type(e).__name__, str(e), traceback.format_exc()[-2000:]))
+    finally:
+        conn.close()
