@@ -8,3 +8,7 @@ echo "==> pytest"
 .venv/bin/python -m pytest -q tests "$@"
 echo "==> ctest"
 ctest --test-dir build/cmake --output-on-failure
+if [ "${MHA_EXT_SKIP_SANITIZE:-0}" != 1 ]; then
+  echo "==> ctest under AddressSanitizer + UndefinedBehaviorSanitizer (scripts/sanitize.sh)"
+  bash scripts/sanitize.sh
+fi
