@@ -10,6 +10,8 @@
 #include <string>
 #include <tuple>
 
+#include "reference.h"
+
 namespace {
 
 using AttnOut = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
@@ -42,24 +44,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
 }
 
 // softmax(q k^T / sqrt(E) + mask) v in float64; causal is top-left; GQA by repeat.
-torch::Tensor reference(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+torch::Tensor reference(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const std::optional<torch::Tensor>& mask, bool is_causal) {
-  q = q.to(torch::kDouble);
-  k = k.to(torch::kDouble);
-  v = v.to(torch::kDouble);
-  const int64_t group = q.size(-3) / k.size(-3);
-  if (group > 1) {
-    k = k.repeat_interleave(group, -3);
-    v = v.repeat_interleave(group, -3);
-  }
-  auto s = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
-  if (mask) s = mask->scalar_type() == torch::kBool ? s.masked_fill(mask->logical_not(), -INFINITY)
-                                                     : s + mask->to(torch::kDouble);
-  if (is_causal) {
-    auto keep = torch::ones({q.size(-2), k.size(-2)}, torch::kBool).tril();
-    s = s.masked_fill(keep.logical_not(), -INFINITY);
-  }
-  return torch::matmul(torch::softmax(s, -1), v);
+  return mha_ext_test::reference(q, k, v, mask, is_causal, 1.0 / std::sqrt(static_cast<double>(q.size(-1))));
 }
 
 TEST(Attention, ForwardMatchesReference) {

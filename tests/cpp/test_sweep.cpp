@@ -17,6 +17,8 @@
 #include <tuple>
 #include <vector>
 
+#include "reference.h"
+
 namespace {
 
 using Fwd = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
@@ -42,27 +44,6 @@ Ops ops_of(const std::string& ns) {
               .typed<Bwd(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, const OptT&, double, bool, std::optional<double>,
                          bool, const at::Tensor&, bool)>()};
-}
-
-// softmax(q k^T * scale + mask) v in float64 with SDPA semantics (top-left
-// causal, GQA by repeat, an optional dropout keep-mask scaled by 1 / (1 - p)).
-at::Tensor reference(at::Tensor q, at::Tensor k, at::Tensor v, const OptT& mask, bool causal, double scale,
-                     const OptT& keep, double p) {
-  q = q.to(torch::kDouble);
-  k = k.to(torch::kDouble);
-  v = v.to(torch::kDouble);
-  const int64_t group = q.size(-3) / k.size(-3);
-  if (group > 1) {
-    k = k.repeat_interleave(group, -3);
-    v = v.repeat_interleave(group, -3);
-  }
-  auto s = torch::matmul(q, k.transpose(-2, -1)) * scale;
-  if (mask) s = mask->scalar_type() == torch::kBool ? s.masked_fill(mask->logical_not(), -INFINITY)
-                                                     : s + mask->to(torch::kDouble);
-  if (causal) s = s.masked_fill(torch::ones({q.size(-2), k.size(-2)}, torch::kBool).tril().logical_not(), -INFINITY);
-  auto prob = torch::softmax(s, -1);
-  if (keep) prob = prob * keep->to(torch::kDouble) / (1.0 - p);
-  return torch::matmul(prob, v);
 }
 
 at::Tensor keep_mask(const at::Tensor& rng, at::IntArrayRef shape, double p) {
@@ -125,7 +106,7 @@ void sweep(const std::string& ns, int max_len) {
       // the reference in float64 with autograd, from the dtype's values
       auto qr = q.to(torch::kDouble).requires_grad_(), kr = k.to(torch::kDouble).requires_grad_(),
            vr = v.to(torch::kDouble).requires_grad_();
-      auto ref = reference(qr, kr, vr, mask, causal, scale, keep, p);
+      auto ref = mha_ext_test::reference(qr, kr, vr, mask, causal, scale, keep, p);
       expect_near(out, ref.detach(), tolerance(dtype), what + " out");
       auto g = torch::randn(out.sizes(), torch::kDouble);
       auto want = torch::autograd::grad({ref}, {qr, kr, vr}, {g});
