@@ -10,13 +10,44 @@ sdpa = mha_ext.scaled_dot_product_attention
 
 
 @pytest.mark.parametrize("seed,offset", [(0, 0), (123456789123, 77), (2**62 + 5, 2**33 + 3)])
-@pytest.mark.parametrize("shape", [(2, 3, 5, 11), (1, 1, 1, 1), (3, 7, 64), (4, 257)])
+# rows of 1-63, 64, 128-255 (two 64-column blocks at once, then one) and 256+
+# columns: every branch of the vectorised Philox
+@pytest.mark.parametrize("shape", [(2, 3, 5, 11), (1, 1, 1, 1), (3, 7, 64), (2, 130), (3, 192), (2, 200), (1, 255),
+                                   (4, 257), (2, 3, 700)])
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_mask_matches_philox_reference(seed, offset, shape, p):
     rng = torch.tensor([seed, offset], dtype=torch.int64)
     ours = torch.ops.mha_ext.dropout_mask(rng, list(shape), p)
     assert ours.dtype == torch.bool and ours.shape == shape
     assert torch.equal(ours, R.dropout_keep(seed, offset, shape, p))
+
+
+# Known-answer vectors of Philox4x32-10 published with Random123 (Salmon et
+# al., SC'11): (counter, key) -> the four output words.
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter,key,words", KAT)
+def test_philox_reference_matches_published_vectors(counter, key, words):
+    out = R.philox4x32_10(*counter, *key)
+    assert tuple(int(w) for w in out) == words
+
+
+def test_kernel_mask_matches_published_vectors():
+    # seed (key) 0 and offset 0: element (row 0, column j) is kept iff word
+    # j % 4 of Philox(counter = (j // 4, 0, 0, 0), key = (0, 0)) >= floor(p 2^32);
+    # with p just above word w / 2^32 the kernel's mask reads back each word's
+    # place in the first published vector
+    words = KAT[0][2]
+    for j, w in enumerate(words):
+        for p, kept in ((w / 2**32 - 1e-7, True), ((w + 1) / 2**32 + 1e-9, False)):
+            keep = torch.ops.mha_ext.dropout_mask(torch.tensor([0, 0], dtype=torch.int64), [1, 4], p)
+            assert bool(keep[0, j]) == kept, (j, hex(w), p)
 
 
 def test_keep_fraction():

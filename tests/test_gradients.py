@@ -121,14 +121,38 @@ def test_backward_low_precision_no_worse_than_torch(dtype, masked):
         assert eo <= 2.0 * et + 1e-6, (eo, et)
 
 
-def test_fully_masked_row_has_zero_gradient():
-    q, k, v = leaf(1, 1, 4, 8), leaf(1, 1, 5, 8), leaf(1, 1, 5, 8)
-    mask = torch.ones(4, 5, dtype=torch.bool)
-    mask[2] = False
-    out = sdpa(q, k, v, attn_mask=mask)
-    out.sum().backward()
-    assert torch.all(q.grad[..., 2, :] == 0) and torch.isfinite(q.grad).all()
-    assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mask_kind", ["bool", "float -inf"])
+def test_fully_masked_row_gradients_match_reference(dtype, mask_kind):
+    # rows 2 (every key masked) and, with causal, none else: output 0 and no
+    # gradient from them; every gradient (q, k, v and a float mask's) against
+    # the float64 reference, GQA, several key tiles
+    g = torch.Generator().manual_seed(5)
+    q64, k64 = torch.randn(2, 4, 9, 8, generator=g).double(), torch.randn(2, 2, 300, 8, generator=g).double()
+    v64, go64 = torch.randn(2, 2, 300, 6, generator=g).double(), torch.randn(2, 4, 9, 6, generator=g).double()
+    allowed = torch.rand(9, 300, generator=g) > 0.3
+    allowed[2] = False
+    mask = allowed if mask_kind == "bool" else torch.zeros(9, 300).masked_fill(~allowed, float("-inf"))
+
+    def run(fn, dt):
+        xs = [t.to(dtype).to(dt).requires_grad_() for t in (q64, k64, v64)]
+        m = mask if mask.dtype == torch.bool else mask.to(dt).requires_grad_()
+        wrt = xs + ([m] if m.dtype != torch.bool else [])
+        out = fn(*xs, attn_mask=m, enable_gqa=True)
+        return [out] + list(torch.autograd.grad(out, wrt, go64.to(dtype).to(dt)))
+
+    ours = run(sdpa, dtype)
+    ref = run(R.attention, torch.float64)
+    eager = run(lambda *a, **kw: R.attention(*a, **kw, compute_dtype=dtype), dtype)
+    assert torch.all(ours[0][..., 2, :] == 0) and torch.all(ours[1][..., 2, :] == 0)
+    for o, r, e in zip(ours, ref, eager):
+        assert torch.isfinite(o).all()
+        if dtype in (torch.float64, torch.float32):
+            tol = 1e-10 if dtype == torch.float64 else 1e-5
+            torch.testing.assert_close(o.double(), r, rtol=tol, atol=tol * max(1.0, r.abs().max().item()))
+        else:
+            eo, ee = (o.double() - r).abs().max().item(), (e.double() - r).abs().max().item()
+            assert eo <= 2.0 * ee + 1e-3 * r.abs().max().item(), (eo, ee)
 
 
 @pytest.mark.parametrize("B,Hkv,L,S", [(2, 2, 200, 260), (1, 4, 700, 800)], ids=["small mask", "mask over L2"])

@@ -39,7 +39,7 @@ def _supported():
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "amx"])
 def test_isa_path(isa):
     if not _supported()[isa]:
-        pytest.skip(f"this CPU has no {isa}")
+        pytest.skip(f"this CPU has no {isa}: its kernels cannot run here (an instruction set is not emulated)")
     env = dict(os.environ, MHA_EXT_CPU_ISA=isa)
     here = os.path.dirname(os.path.abspath(__file__))
     res = subprocess.run([sys.executable, "-c", CHECK.format(isa=isa)], cwd=here, env=env,
