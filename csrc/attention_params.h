@@ -46,6 +46,49 @@ struct DropoutParams {
   }
 };
 
+// The attention variants: which keys a query row may see and how a score is
+// changed before the softmax. Each backend applies it in one place (the CPU's
+// transform_row, the CUDA masked_score) and skips key tiles outside
+// begin(i) .. end(i); forward and backward call the same code.
+//
+// Row i's diagonal key is i + diag_offset: 0 aligns the top-left corners of
+// the (L x S) score matrix (SDPA's is_causal), S - L the bottom-right ones
+// (FlashAttention's causal, what a KV cache needs). Row i sees keys
+// i + diag_offset - left .. i + diag_offset + right (-1: no bound on that
+// side; is_causal makes right at most 0). A score s (scaled) becomes
+//   softcap * tanh(s / softcap)              when softcap > 0, then
+//   - slope[b, h] * |i + diag_offset - j|    with ALiBi slopes,
+// then the attention mask is added (or applied) and hidden keys get -inf.
+struct AttentionVariant {
+  int64_t diag_offset = 0;
+  int64_t left = -1, right = -1;
+  double softcap = 0.0;
+  const void* alibi = nullptr;  // slopes (B, Hq) in the accumulation type, or null
+  int64_t alibi_stride_b = 0, alibi_stride_h = 0;
+
+  // Keys [begin(i), end(i)) are the ones row i may see (empty when begin >= end).
+  MHA_HOST_DEVICE int64_t begin(int64_t i) const {
+    const int64_t b = i + diag_offset - left;
+    return left < 0 || b < 0 ? 0 : b;
+  }
+  MHA_HOST_DEVICE int64_t end(int64_t i, int64_t len_kv) const {
+    const int64_t e = i + diag_offset + right + 1;
+    return right < 0 || e > len_kv ? len_kv : (e < 0 ? 0 : e);
+  }
+  // Rows [rows_begin(j), rows_end(j)) are the ones that may see key j.
+  MHA_HOST_DEVICE int64_t rows_begin(int64_t j) const {
+    const int64_t r = j - diag_offset - right;
+    return right < 0 || r < 0 ? 0 : r;
+  }
+  MHA_HOST_DEVICE int64_t rows_end(int64_t j, int64_t len_q) const {
+    const int64_t r = j - diag_offset + left + 1;
+    return left < 0 || r > len_q ? len_q : (r < 0 ? 0 : r);
+  }
+  MHA_HOST_DEVICE bool limits_keys() const { return left >= 0 || right >= 0; }
+  // Whether scores need the transform beyond scale and mask.
+  MHA_HOST_DEVICE bool changes_scores() const { return softcap > 0.0 || alibi != nullptr; }
+};
+
 struct AttentionFwdParams {
   const void* q = nullptr;   // (B, Hq, L, E)
   const void* k = nullptr;   // (B, Hkv, S, E)
@@ -59,7 +102,7 @@ struct AttentionFwdParams {
   int64_t batch = 0, heads_q = 0, heads_kv = 0;
   int64_t len_q = 0, len_kv = 0, head_dim = 0, head_dim_v = 0;
   double scale = 1.0;
-  bool is_causal = false;   // top-left aligned: row i sees columns 0..i
+  AttentionVariant variant;  // causal alignment, window, softcap, ALiBi
   MaskKind mask_kind = MaskKind::kNone;
   DropoutParams dropout;
 

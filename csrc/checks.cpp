@@ -1,5 +1,7 @@
 #include "checks.h"
 
+#include <cmath>
+
 #include <c10/util/Exception.h>
 
 #include <cstdio>
@@ -119,6 +121,25 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
   }
   check_dropout_p(dropout_p);
   return s;
+}
+
+void check_variant(const AttentionShape& s, const at::Tensor& query, int64_t window_left, int64_t window_right,
+                   double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  TORCH_CHECK(window_left >= -1, "window_left must be >= -1 (-1: no limit), got ", window_left);
+  TORCH_CHECK(window_right >= -1, "window_right must be >= -1 (-1: no limit), got ", window_right);
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0, "softcap must be a finite number >= 0 (0: none), got ",
+              format_float(softcap));
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& a = *alibi_slopes;
+    std::vector<int64_t> full = s.batch_sizes;
+    full.push_back(s.heads_q);
+    const bool shape_ok = a.sizes() == at::IntArrayRef{s.heads_q} || a.sizes() == at::IntArrayRef(full);
+    TORCH_CHECK(a.is_floating_point() && shape_ok, "alibi_slopes must be a floating-point tensor of shape (Hq) = (",
+                s.heads_q, ") or (N..., Hq) = ", format_shape(full), ", got ", dtype_name(a.scalar_type()),
+                " of shape ", format_shape(a.sizes()));
+    TORCH_CHECK(a.device() == query.device(), "alibi_slopes must be on the same device as query (",
+                query.device().str(), "), got ", a.device().str());
+  }
 }
 
 void check_dropout_p(double dropout_p) {

@@ -25,6 +25,12 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                                       const std::optional<at::Tensor>& attn_mask,
                                       double dropout_p, bool enable_gqa);
 
+// The variant arguments: windows >= -1 (-1: unbounded), softcap finite and
+// >= 0 (0: none), alibi_slopes floating with shape (Hq) or (N..., Hq) on
+// query's device.
+void check_variant(const AttentionShape& s, const at::Tensor& query, int64_t window_left, int64_t window_right,
+                   double softcap, const std::optional<at::Tensor>& alibi_slopes);
+
 // dropout_p in [0, 1).
 void check_dropout_p(double dropout_p);
 

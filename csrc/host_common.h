@@ -10,6 +10,7 @@
 #include <ATen/ops/randint.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <cmath>
 #include <initializer_list>
 #include <optional>
@@ -62,14 +63,25 @@ inline DropoutParams dropout_params(double p, const at::Tensor& rng_state) {
   return d;
 }
 
+// The variant arguments of both ops as the schemas name them (see
+// AttentionVariant): is_causal, window_left / window_right, bottom_right,
+// softcap, alibi_slopes.
+struct VariantArgs {
+  bool is_causal = false;
+  int64_t window_left = -1, window_right = -1;
+  bool bottom_right = false;
+  double softcap = 0.0;
+  const std::optional<at::Tensor>& alibi_slopes;
+};
+
 // Fills everything the forward and backward share: sizes, strides, mask,
-// scale, dropout. Returns the flattened views it pointed at, which must
+// scale, the variant, dropout. Returns the flattened views it pointed at, which must
 // outlive the kernel call.
 inline std::vector<at::Tensor> fill_common(AttentionFwdParams& p, const AttentionShape& s,
                                     const at::Tensor& query, const at::Tensor& key,
                                     const at::Tensor& value,
                                     const std::optional<at::Tensor>& attn_mask, double dropout_p,
-                                    bool is_causal, std::optional<double> scale,
+                                    const VariantArgs& va, std::optional<double> scale,
                                     const std::optional<at::Tensor>& rng_state) {
   std::vector<at::Tensor> keep_alive;
   at::Tensor q4 = flatten_batch(query), k4 = flatten_batch(key), v4 = flatten_batch(value);
@@ -89,7 +101,19 @@ inline std::vector<at::Tensor> fill_common(AttentionFwdParams& p, const Attentio
   p.head_dim = s.head_dim;
   p.head_dim_v = s.head_dim_v;
   p.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim));
-  p.is_causal = is_causal;
+  AttentionVariant& w = p.variant;
+  w.diag_offset = va.bottom_right ? s.len_kv - s.len_q : 0;
+  w.left = va.window_left;
+  w.right = va.is_causal ? (va.window_right < 0 ? 0 : std::min<int64_t>(va.window_right, 0)) : va.window_right;
+  w.softcap = va.softcap;
+  if (va.alibi_slopes.has_value()) {  // (Hq) or (N..., Hq) -> (B, Hq) in the accumulation type
+    at::Tensor a = va.alibi_slopes->to(acc_type_of(query.scalar_type()));
+    a = a.expand(with_batch(s, {s.heads_q})).reshape({s.batch, s.heads_q});
+    w.alibi = a.const_data_ptr();
+    w.alibi_stride_b = a.stride(0);
+    w.alibi_stride_h = a.stride(1);
+    keep_alive.push_back(a);
+  }
 
   if (attn_mask.has_value()) {
     at::Tensor m4 = flatten_batch(attn_mask->expand(with_batch(s, {s.heads_q, s.len_q, s.len_kv})));
@@ -123,12 +147,13 @@ struct ForwardCall {
 
 template <typename CheckBackend, typename Draw>
 ForwardCall prepare_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                            const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                            const std::optional<at::Tensor>& attn_mask, double dropout_p, const VariantArgs& va,
                             std::optional<double> scale, bool enable_gqa,
                             const std::optional<at::Tensor>& rng_state, CheckBackend&& check_backend,
                             Draw&& draw) {
   ForwardCall c;
   c.s = check_attention_inputs(query, key, value, attn_mask, dropout_p, enable_gqa);
+  check_variant(c.s, query, va.window_left, va.window_right, va.softcap, va.alibi_slopes);
   check_backend(c.s);
   if (dropout_p > 0.0) {
     if (rng_state.has_value()) check_rng_state(*rng_state, query.device());
@@ -141,7 +166,7 @@ ForwardCall prepare_forward(const at::Tensor& query, const at::Tensor& key, cons
   c.lse = at::empty(with_batch(s, {s.heads_q, s.len_q}), query.options().dtype(acc_type_of(query.scalar_type())));
   c.has_rows = s.batch * s.heads_q * s.len_q > 0;
   if (!c.has_rows) return c;
-  c.keep_alive = fill_common(c.p, s, query, key, value, attn_mask, dropout_p, is_causal, scale, c.rng_state);
+  c.keep_alive = fill_common(c.p, s, query, key, value, attn_mask, dropout_p, va, scale, c.rng_state);
   at::Tensor out4 = flatten_batch(c.out);
   c.p.out = out4.data_ptr();
   c.p.out_stride = strides_of(out4);
@@ -164,11 +189,12 @@ struct BackwardCall {
 template <typename CheckBackend>
 BackwardCall prepare_backward(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
                               const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
-                              const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                              const std::optional<at::Tensor>& attn_mask, double dropout_p, const VariantArgs& va,
                               std::optional<double> scale, bool enable_gqa, const at::Tensor& rng_state,
                               bool attn_mask_requires_grad, CheckBackend&& check_backend) {
   BackwardCall c;
   c.s = check_attention_inputs(query, key, value, attn_mask, dropout_p, enable_gqa);
+  check_variant(c.s, query, va.window_left, va.window_right, va.softcap, va.alibi_slopes);
   check_backend(c.s);
   const AttentionShape& s = c.s;
   const auto out_sizes = with_batch(s, {s.heads_q, s.len_q, s.head_dim_v});
@@ -180,7 +206,7 @@ BackwardCall prepare_backward(const at::Tensor& grad_out, const at::Tensor& quer
   c.want_mask_grad = attn_mask_requires_grad && attn_mask.has_value() && attn_mask->scalar_type() != at::kBool;
   c.has_heads = s.batch * s.heads_q > 0;
   if (!c.has_heads) return c;
-  c.keep_alive = fill_common(c.p, s, query, key, value, attn_mask, dropout_p, is_causal, scale, rng_state);
+  c.keep_alive = fill_common(c.p, s, query, key, value, attn_mask, dropout_p, va, scale, rng_state);
   at::Tensor go4 = flatten_batch(grad_out), o4 = flatten_batch(out), lse_c = logsumexp.contiguous();
   c.p.grad_out = go4.const_data_ptr();
   c.p.grad_out_stride = strides_of(go4);

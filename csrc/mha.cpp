@@ -11,7 +11,12 @@ TORCH_LIBRARY(mha_ext, m) {
 
   // Fused scaled-dot-product attention with the semantics of
   // torch.nn.functional.scaled_dot_product_attention, plus is_causal together
-  // with attn_mask (both applied). Returns the output (N..., Hq, L, Ev), the
+  // with attn_mask (both applied), and the variants of AttentionVariant
+  // (attention_params.h): bottom_right aligns is_causal, the window
+  // (window_left, window_right; -1 = unbounded) and ALiBi at the bottom-right
+  // corner as FlashAttention does; softcap > 0 caps the scaled scores;
+  // alibi_slopes, (Hq) or (N..., Hq), subtract slope * |i + S - L - j|
+  // (bottom-right) or slope * |i - j|. Returns the output (N..., Hq, L, Ev), the
   // per-row logsumexp (N..., Hq, L) in float32 (float64 for float64 inputs;
   // -inf for a row with every key masked, whose output is 0), and the
   // (seed, offset) used for dropout: a copy of rng_state when given (on the

@@ -9,12 +9,14 @@ namespace mha_ext {
 inline constexpr const char* kAttentionSchema =
     "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
     "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
-    "Tensor? rng_state=None) -> (Tensor out, Tensor logsumexp, Tensor rng_state)";
+    "Tensor? rng_state=None, int window_left=-1, int window_right=-1, bool bottom_right=False, "
+    "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor logsumexp, Tensor rng_state)";
 
 inline constexpr const char* kAttentionBackwardSchema =
     "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
     "Tensor logsumexp, Tensor? attn_mask, float dropout_p, bool is_causal, float? scale, "
-    "bool enable_gqa, Tensor rng_state, bool attn_mask_requires_grad) -> "
+    "bool enable_gqa, Tensor rng_state, bool attn_mask_requires_grad, int window_left=-1, "
+    "int window_right=-1, bool bottom_right=False, float softcap=0.0, Tensor? alibi_slopes=None) -> "
     "(Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)";
 
 }  // namespace mha_ext

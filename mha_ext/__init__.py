@@ -1,6 +1,7 @@
 """mha_ext: fused multi-head attention for PyTorch as a custom operator.
 
     mha_ext.scaled_dot_product_attention   drop-in for torch.nn.functional.scaled_dot_product_attention
+    mha_ext.attention                      the same with causal alignments, windows, softcap, ALiBi
     mha_ext.MultiheadAttention             drop-in for torch.nn.MultiheadAttention
     torch.ops.mha_ext.attention / attention_backward / dropout_mask
 """
@@ -26,6 +27,6 @@ library_path = _load_library()
 
 from . import ops  # noqa: E402  (registers fake kernels and autograd)
 from .modules import MultiheadAttention  # noqa: E402
-from .ops import scaled_dot_product_attention  # noqa: E402
+from .ops import attention, scaled_dot_product_attention  # noqa: E402
 
-__all__ = ["scaled_dot_product_attention", "MultiheadAttention", "ops", "library_path"]
+__all__ = ["scaled_dot_product_attention", "attention", "MultiheadAttention", "ops", "library_path"]

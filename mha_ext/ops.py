@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["scaled_dot_product_attention", "check_attention_inputs", "cpu_isa"]
+__all__ = ["scaled_dot_product_attention", "attention", "check_attention_inputs", "cpu_isa"]
 
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -99,6 +99,28 @@ def check_attention_inputs(query, key, value, attn_mask, dropout_p, enable_gqa):
     return batch, hq, hkv, L, S, E, ev
 
 
+def check_variant(query, batch, hq, window_left, window_right, softcap, alibi_slopes):
+    """The Python twin of mha_ext::check_variant (csrc/checks.cpp)."""
+    _check(window_left >= -1, lambda: f"window_left must be >= -1 (-1: no limit), got {window_left}")
+    _check(window_right >= -1, lambda: f"window_right must be >= -1 (-1: no limit), got {window_right}")
+    _check(
+        softcap == softcap and abs(softcap) != float("inf") and softcap >= 0.0,
+        lambda: f"softcap must be a finite number >= 0 (0: none), got {softcap:g}",
+    )
+    if alibi_slopes is not None:
+        a = alibi_slopes
+        full = tuple(batch) + (hq,)
+        _check(
+            a.is_floating_point() and tuple(a.shape) in ((hq,), full),
+            lambda: f"alibi_slopes must be a floating-point tensor of shape (Hq) = ({hq}) or (N..., Hq) = "
+            f"{_fmt(full)}, got {a.dtype} of shape {_fmt(a.shape)}",
+        )
+        _check(
+            a.device == query.device,
+            lambda: f"alibi_slopes must be on the same device as query ({query.device}), got {a.device}",
+        )
+
+
 def check_dropout_p(dropout_p):
     _check(0.0 <= dropout_p < 1.0, lambda: f"dropout_p must be in [0, 1), got {dropout_p:g}")
 
@@ -126,8 +148,10 @@ def _check_same_shape(name, t, expected, like, dtype=None):
 
 @torch.library.register_fake("mha_ext::attention")
 def _attention_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                    enable_gqa=False, rng_state=None):
+                    enable_gqa=False, rng_state=None, window_left=-1, window_right=-1, bottom_right=False,
+                    softcap=0.0, alibi_slopes=None):
     batch, hq, _, L, _, _, ev = check_attention_inputs(query, key, value, attn_mask, dropout_p, enable_gqa)
+    check_variant(query, batch, hq, window_left, window_right, softcap, alibi_slopes)
     given = dropout_p > 0.0 and rng_state is not None
     if given:
         check_rng_state(rng_state, query.device)
@@ -140,8 +164,10 @@ def _attention_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 @torch.library.register_fake("mha_ext::attention_backward")
 def _attention_backward_fake(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_causal,
-                             scale, enable_gqa, rng_state, attn_mask_requires_grad):
+                             scale, enable_gqa, rng_state, attn_mask_requires_grad, window_left=-1,
+                             window_right=-1, bottom_right=False, softcap=0.0, alibi_slopes=None):
     batch, hq, hkv, L, S, E, ev = check_attention_inputs(query, key, value, attn_mask, dropout_p, enable_gqa)
+    check_variant(query, batch, hq, window_left, window_right, softcap, alibi_slopes)
     _check_same_shape("grad_out", grad_out, batch + (hq, L, ev), query)
     _check_same_shape("out", out, batch + (hq, L, ev), query)
     _check_same_shape("logsumexp", logsumexp, batch + (hq, L), query, _acc_dtype(query.dtype))
@@ -170,18 +196,37 @@ def _dropout_mask_fake(rng_state, shape, dropout_p):
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, _ = inputs
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, _, *variant = inputs
     out, lse, rng_used = output
     ctx.mask_requires_grad = bool(
         attn_mask is not None and attn_mask.requires_grad and attn_mask.dtype != torch.bool
     )
     ctx.has_mask = attn_mask is not None
-    ctx.save_for_backward(query, key, value, out, lse, rng_used, *([attn_mask] if ctx.has_mask else []))
+    # (window_left, window_right, bottom_right, softcap); the slopes are saved
+    window_left, window_right, bottom_right, softcap, alibi = (variant + [-1, -1, False, 0.0, None][len(variant):])
+    ctx.has_alibi = alibi is not None
+    ctx.save_for_backward(query, key, value, out, lse, rng_used, *([attn_mask] if ctx.has_mask else []),
+                          *([alibi] if ctx.has_alibi else []))
     ctx.args = (dropout_p, is_causal, scale, enable_gqa)
+    ctx.variant = (window_left, window_right, bottom_right, softcap)
     ctx.mark_non_differentiable(lse, rng_used)
 
 
-def _composite_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng_state):
+def _visible(L, S, is_causal, window_left, window_right, bottom_right, device):
+    """(L, S) bool: the keys each query row may see (AttentionVariant)."""
+    i = torch.arange(L, device=device).unsqueeze(-1) + (S - L if bottom_right else 0)
+    j = torch.arange(S, device=device)
+    right = (0 if window_right < 0 else min(window_right, 0)) if is_causal else window_right
+    ok = torch.ones(L, S, dtype=torch.bool, device=device)
+    if right >= 0:
+        ok = ok & (j <= i + right)
+    if window_left >= 0:
+        ok = ok & (j >= i - window_left)
+    return ok
+
+
+def _composite_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng_state,
+                         window_left=-1, window_right=-1, bottom_right=False, softcap=0.0, alibi_slopes=None):
     """The op's forward in differentiable torch ops, the same semantics (rows
     with no key to attend to give 0, the op's dropout mask): what a second
     order gradient differentiates. Materialises the (..., Hq, L, S) scores, in
@@ -194,9 +239,13 @@ def _composite_attention(query, key, value, attn_mask, dropout_p, is_causal, sca
     L, S = q.shape[-2], k.shape[-2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale
-    visible = torch.ones(L, S, dtype=torch.bool, device=q.device)
-    if is_causal:
-        visible = visible.tril()
+    if softcap > 0.0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        i = torch.arange(L, device=q.device).unsqueeze(-1) + (S - L if bottom_right else 0)
+        dist = (i - torch.arange(S, device=q.device)).abs().to(acc)
+        scores = scores - alibi_slopes.to(acc).unsqueeze(-1).unsqueeze(-1) * dist
+    visible = _visible(L, S, is_causal, window_left, window_right, bottom_right, q.device)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             visible = visible & attn_mask
@@ -214,7 +263,9 @@ def _composite_attention(query, key, value, attn_mask, dropout_p, is_causal, sca
 def _backward(ctx, grad_out, grad_lse, grad_rng):
     query, key, value, out, lse, rng_used, *rest = ctx.saved_tensors
     attn_mask = rest[0] if ctx.has_mask else None
+    alibi = rest[-1] if ctx.has_alibi else None
     dropout_p, is_causal, scale, enable_gqa = ctx.args
+    window_left, window_right, bottom_right, softcap = ctx.variant
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     if torch.is_grad_enabled():
@@ -223,17 +274,17 @@ def _backward(ctx, grad_out, grad_lse, grad_rng):
         # per head) instead of the fused backward
         wanted = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.mask_requires_grad]
         inputs = [query, key, value, attn_mask]
-        recomputed = _composite_attention(query, key, value, attn_mask, *ctx.args[:4], rng_used)
+        recomputed = _composite_attention(query, key, value, attn_mask, *ctx.args[:4], rng_used, *ctx.variant, alibi)
         grads = torch.autograd.grad(recomputed, [t for t, w in zip(inputs, wanted) if w], grad_out,
                                     create_graph=True)
         it = iter(grads)
         gq, gk, gv, gm = (next(it) if w else None for w in wanted)
-        return gq, gk, gv, gm, None, None, None, None, None
+        return (gq, gk, gv, gm) + (None,) * 10
     gq, gk, gv, gm = torch.ops.mha_ext.attention_backward(
         grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng_used,
-        ctx.mask_requires_grad,
+        ctx.mask_requires_grad, window_left, window_right, bottom_right, softcap, alibi,
     )
-    return gq, gk, gv, (gm if ctx.mask_requires_grad else None), None, None, None, None, None
+    return (gq, gk, gv, (gm if ctx.mask_requires_grad else None)) + (None,) * 10
 
 
 torch.library.register_autograd("mha_ext::attention", _backward, setup_context=_setup_context)
@@ -368,3 +419,52 @@ def scaled_dot_product_attention(
     if out.dim() > out_rank:
         out = out.view(out.shape[out.dim() - out_rank:])
     return out
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    *,
+    dropout_p: float = 0.0,
+    causal: bool = False,
+    alignment: str = "top_left",
+    window: tuple = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+):
+    """Fused attention with the variants real models use, forward and backward.
+
+    query (N..., Hq, L, E), key (N..., Hkv, S, E), value (N..., Hkv, S, Ev) ->
+    (N..., Hq, L, Ev), and with return_lse=True also the natural-log
+    logsumexp of each row (N..., Hq, L) in float32 (float64 for float64),
+    which merges partial results. Row i's diagonal key is i ("top_left", as
+    SDPA's is_causal) or i + S - L ("bottom_right", as FlashAttention and a KV
+    cache: the last query row sees the last key). Then:
+
+    - causal: row i sees no key beyond its diagonal;
+    - window=(left, right): row i sees keys diagonal - left .. diagonal + right
+      (FlashAttention's window_size; -1 = no bound on that side); key tiles
+      wholly outside it are skipped, so the cost grows with the window;
+    - softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma 2);
+    - alibi_slopes (Hq) or (N..., Hq): scores get - slope * |diagonal - j|
+      (BLOOM, MPT; FlashAttention's definition);
+    - attn_mask (bool: True = may attend, or float: added) after all of these.
+
+    Scores are scaled (scale, default 1 / sqrt(E)) before the softcap. GQA
+    with enable_gqa=True. A row that may see no key gives 0."""
+    if alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"alignment must be 'top_left' or 'bottom_right', got {alignment!r}")
+    if len(window) != 2:
+        raise ValueError(f"window must be (left, right), got {window!r}")
+    dropout_p = _check_arg_types(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)
+    rng_state = new_rng_state(query.device) if dropout_p > 0.0 else None
+    out, lse, _ = torch.ops.mha_ext.attention(
+        query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa, rng_state, int(window[0]),
+        int(window[1]), alignment == "bottom_right", float(softcap), alibi_slopes,
+    )
+    return (out, lse) if return_lse else out

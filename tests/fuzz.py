@@ -39,6 +39,14 @@ class Case:
     rng: torch.Tensor
     grad_out: torch.Tensor
     what: str  # a short description for failure messages
+    window: tuple = (-1, -1)
+    bottom_right: bool = False
+    softcap: float = 0.0
+    alibi: Optional[torch.Tensor] = None
+
+    @property
+    def variant(self) -> dict:  # the reference's keywords
+        return dict(window=self.window, bottom_right=self.bottom_right, softcap=self.softcap, alibi_slopes=self.alibi)
 
     @property
     def mask_grad(self) -> bool:
@@ -102,18 +110,29 @@ def case(seed: int, dtypes=DTYPES, max_len: int = 150) -> Case:
         mask = mask.to(dtype)
     rng = torch.randint(0, 2**62, (2,), generator=g, dtype=torch.int64)
     grad_out = randn(*batch, hq, L, Ev).to(dtype)
+    # the variants (mha_ext.attention): alignment, windows, softcap, ALiBi
+    bottom_right = pick([False, False, True])
+    window = (pick([-1, -1, 0, 5, 40]), pick([-1, -1, 0, 3]))
+    softcap = pick([0.0, 0.0, 0.0, 2.0, 30.0])
+    alibi = None
+    if pick([False, False, True]):
+        alibi = torch.rand(tuple(batch) + (hq,) if pick([False, True]) else (hq,), generator=g) * 0.5
     what = (f"dtype={str(dtype)[6:]} batch={batch} Hq={hq} Hkv={hkv} L={L} S={S} E={E} Ev={Ev} causal={is_causal} "
             f"scale={scale} dropout={dropout_p} logits x{logit_scale} mask={mask_kind}"
-            + (f" {tuple(mask.shape)}" if mask is not None else ""))
-    return Case(seed, dtype, q, k, v, mask, dropout_p, is_causal, scale, group > 1, rng, grad_out, what)
+            + (f" {tuple(mask.shape)}" if mask is not None else "")
+            + f" window={window} bottom_right={bottom_right} softcap={softcap}"
+            + (f" alibi {tuple(alibi.shape)}" if alibi is not None else ""))
+    return Case(seed, dtype, q, k, v, mask, dropout_p, is_causal, scale, group > 1, rng, grad_out, what, window,
+                bottom_right, softcap, alibi)
 
 
 def _run(ops, c: Case):
     """Output and gradients (q, k, v, and the mask's when it is float) of the
     op namespace `ops` (torch.ops.mha_ext or the emulated CUDA backend)."""
-    out, lse, rng = ops.attention(c.q, c.k, c.v, c.mask, c.dropout_p, c.is_causal, c.scale, c.gqa, c.rng)
+    variant = (c.window[0], c.window[1], c.bottom_right, c.softcap, c.alibi)
+    out, lse, rng = ops.attention(c.q, c.k, c.v, c.mask, c.dropout_p, c.is_causal, c.scale, c.gqa, c.rng, *variant)
     gq, gk, gv, gm = ops.attention_backward(c.grad_out, c.q, c.k, c.v, out, lse, c.mask, c.dropout_p, c.is_causal,
-                                            c.scale, c.gqa, rng, c.mask_grad)
+                                            c.scale, c.gqa, rng, c.mask_grad, *variant)
     return [out, gq, gk, gv] + ([gm] if c.mask_grad else [])
 
 
@@ -128,7 +147,7 @@ def _reference(c: Case, compute_dtype):
         mask = c.mask.detach().to(compute_dtype).requires_grad_()
         leaves.append(mask)
     out = R.attention(*leaves[:3], attn_mask=mask, is_causal=c.is_causal, scale=c.scale, enable_gqa=c.gqa,
-                      keep=keep, dropout_p=c.dropout_p, compute_dtype=compute_dtype)
+                      keep=keep, dropout_p=c.dropout_p, compute_dtype=compute_dtype, **c.variant)
     grads = torch.autograd.grad(out, leaves, c.grad_out.to(compute_dtype), allow_unused=True)
     grads = [torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads, leaves)]
     return [out.detach()] + [gr.detach() for gr in grads], keep
@@ -142,12 +161,12 @@ def check(ops, c: Case) -> None:
     ours = _run(ops, c)
     ref, keep = _reference(c, torch.float64)
     mags = R.magnitudes(c.q, c.k, c.v, c.grad_out, attn_mask=c.mask, is_causal=c.is_causal, scale=c.scale,
-                        enable_gqa=c.gqa, keep=keep, dropout_p=c.dropout_p)
+                        enable_gqa=c.gqa, keep=keep, dropout_p=c.dropout_p, **c.variant)
     if c.mask_grad:
         mags["dmask"] = R.sum_to(mags["dmask"], c.mask.shape)
     # exp(score - lse) in float carries an error of eps * |lse| relative to P
     # (the kernels switch to exact row statistics at |lse| >= 256)
-    lse = R.logsumexp(c.q, c.k, c.mask, c.is_causal, c.scale, c.gqa).abs()
+    lse = R.logsumexp(c.q, c.k, c.mask, c.is_causal, c.scale, c.gqa, **c.variant).abs()
     spread = 1.0 + (lse[torch.isfinite(lse)].clamp(max=256.0).max().item() if torch.isfinite(lse).any() else 0.0)
     eager = None
     if c.dtype in (torch.float16, torch.bfloat16):

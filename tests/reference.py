@@ -6,15 +6,11 @@ import numpy as np
 import torch
 
 
-def probabilities(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                  compute_dtype=torch.float64):
-    """softmax(scale * q k^T + mask) in compute_dtype, SDPA semantics, with the
-    key/value heads repeated for GQA: (..., Hq, L, S). A row with no key to
-    attend to is 0. Differentiable (autograd).
-
-    attn_mask: bool (True = may attend) or float (added), broadcastable to
-    (..., Hq, L, S). is_causal: query i sees keys 0..i (top-left), applied
-    together with attn_mask."""
+def scores(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+           compute_dtype=torch.float64, window=(-1, -1), bottom_right=False, softcap=0.0, alibi_slopes=None):
+    """scale * q k^T after the variants and the mask, -inf where a key is
+    hidden, in compute_dtype: (..., Hq, L, S), and the (..., Hq, L, S) bool of
+    the keys each row may see. See probabilities()."""
     q, k = query.to(compute_dtype), key.to(compute_dtype)
     hq, hkv = q.shape[-3], k.shape[-3]
     if hq != hkv:
@@ -23,18 +19,45 @@ def probabilities(query, key, attn_mask=None, is_causal=False, scale=None, enabl
     L, S = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale
+    if softcap > 0.0:
+        scores = softcap * torch.tanh(scores / softcap)
+    diag = torch.arange(L).unsqueeze(-1) + (S - L if bottom_right else 0)  # (L, 1)
+    col = torch.arange(S)
+    if alibi_slopes is not None:
+        dist = (diag - col).abs().to(compute_dtype)
+        scores = scores - alibi_slopes.to(compute_dtype)[..., None, None] * dist
     allowed = torch.ones(L, S, dtype=torch.bool)
     if is_causal:
-        allowed = torch.ones(L, S, dtype=torch.bool).tril()
+        allowed = allowed & (col <= diag)
+    if window[0] >= 0:
+        allowed = allowed & (col >= diag - window[0])
+    if window[1] >= 0:
+        allowed = allowed & (col <= diag + window[1])
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             allowed = allowed & attn_mask
         else:
             scores = scores + attn_mask.to(compute_dtype)
     allowed = allowed.expand(scores.shape)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    any_key = allowed.any(dim=-1, keepdim=True) & (scores > float("-inf")).any(dim=-1, keepdim=True)
-    probs = torch.softmax(torch.where(any_key, scores, 0.0), dim=-1)
+    return scores.masked_fill(~allowed, float("-inf")), allowed
+
+
+def probabilities(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+                  compute_dtype=torch.float64, **variant):
+    """softmax(scale * q k^T + mask) in compute_dtype, SDPA semantics, with the
+    key/value heads repeated for GQA: (..., Hq, L, S). A row with no key to
+    attend to is 0. Differentiable (autograd).
+
+    attn_mask: bool (True = may attend) or float (added), broadcastable to
+    (..., Hq, L, S). The diagonal key of query i is d = i (top-left) or
+    d = i + S - L (variant bottom_right=True). is_causal: query i sees keys
+    <= d; window=(left, right): keys d - left .. d + right (-1: unbounded); all
+    applied together with attn_mask. softcap > 0: the scaled scores become
+    softcap * tanh(scores / softcap); alibi_slopes (Hq) or (..., Hq): minus
+    slope * |d - j|; both before the mask is added."""
+    s, allowed = scores(query, key, attn_mask, is_causal, scale, enable_gqa, compute_dtype, **variant)
+    any_key = allowed.any(dim=-1, keepdim=True) & (s > float("-inf")).any(dim=-1, keepdim=True)
+    probs = torch.softmax(torch.where(any_key, s, 0.0), dim=-1)
     return torch.where(any_key, probs, 0.0)
 
 
@@ -43,22 +66,23 @@ def _repeat_kv(t, hq):
 
 
 def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-              keep=None, dropout_p=0.0, compute_dtype=torch.float64):
+              keep=None, dropout_p=0.0, compute_dtype=torch.float64, **variant):
     """softmax(scale * q k^T + mask) v in float64, SDPA semantics.
 
     compute_dtype: float64 for the reference; the inputs' own dtype gives what
     plain eager PyTorch gets in that dtype (every op rounding to it), the
     yardstick for half and bfloat16 kernels. Masks and is_causal as in
-    probabilities(). keep: bool dropout keep-mask (..., Hq, L, S).
+    probabilities(), and its variant keywords (window, bottom_right, softcap,
+    alibi_slopes). keep: bool dropout keep-mask (..., Hq, L, S).
     A row with no key to attend to gives 0. Differentiable (autograd)."""
-    probs = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, compute_dtype)
+    probs = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, compute_dtype, **variant)
     if keep is not None:
         probs = probs * keep.to(compute_dtype) / (1.0 - dropout_p)
     return probs @ _repeat_kv(value.to(compute_dtype), query.shape[-3])
 
 
 def magnitudes(query, key, value, grad_out, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-               keep=None, dropout_p=0.0):
+               keep=None, dropout_p=0.0, **variant):
     """For each result (out, dq, dk, dv, dmask), the magnitude of the terms
     summed into each element, in float64: the sums with every term replaced by
     its absolute value. The scale against which a rounding error is judged.
@@ -68,7 +92,7 @@ def magnitudes(query, key, value, grad_out, attn_mask=None, is_causal=False, sca
         hq = query.shape[-3]
         q, k, v, go = (t.double() for t in (query, key, value, grad_out))
         kr, vr = _repeat_kv(k, hq).abs(), _repeat_kv(v, hq).abs()
-        p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa)
+        p = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa, **variant)
         pd = p if keep is None else p * keep.double() / (1.0 - dropout_p)
         sc = abs(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
         d = ((pd @ vr) * go.abs()).sum(-1, keepdim=True)  # D = rowsum(dO * O), O's terms included
@@ -93,18 +117,9 @@ def sum_to(t, shape):
     return t.sum(dim=dims, keepdim=True) if dims else t
 
 
-def logsumexp(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
-    q, k = query.double(), key.double()
-    if q.shape[-3] != k.shape[-3]:
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-    L, S = q.shape[-2], k.shape[-2]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (q @ k.transpose(-2, -1)) * scale
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask.double()
-    if is_causal:
-        scores = scores.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), float("-inf"))
-    return torch.logsumexp(scores, dim=-1)
+def logsumexp(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, **variant):
+    s, _ = scores(query, key, attn_mask, is_causal, scale, enable_gqa, **variant)
+    return torch.logsumexp(s, dim=-1)
 
 
 # Philox4x32-10 (Salmon et al., SC'11) on numpy arrays.

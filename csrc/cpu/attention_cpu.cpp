@@ -56,8 +56,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_fwd_cpu(
     const at::Tensor& value,  // (N..., Hkv, S, Ev), any strides
     const std::optional<at::Tensor>& attn_mask,  // broadcastable to (N..., Hq, L, S)
     double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa,
-    const std::optional<at::Tensor>& rng_state) {  // int64 (seed, offset), CPU
-  ForwardCall c = prepare_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+    const std::optional<at::Tensor>& rng_state,  // int64 (seed, offset), CPU
+    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {  // (Hq) or (N..., Hq) slopes
+  const VariantArgs va{is_causal, window_left, window_right, bottom_right, softcap, alibi_slopes};
+  ForwardCall c = prepare_forward(query, key, value, attn_mask, dropout_p, va, scale, enable_gqa,
                                   rng_state, [](const AttentionShape&) {}, draw_cpu_rng_state);
   if (!c.has_rows) return {c.out, c.lse, c.rng_state};
   const AttentionFwdParams& p = c.p;
@@ -76,8 +79,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa,
     const at::Tensor& rng_state,  // int64 (seed, offset), CPU
-    bool attn_mask_requires_grad) {
-  BackwardCall c = prepare_backward(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_causal,
+    bool attn_mask_requires_grad, int64_t window_left, int64_t window_right, bool bottom_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  const VariantArgs va{is_causal, window_left, window_right, bottom_right, softcap, alibi_slopes};
+  BackwardCall c = prepare_backward(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, va,
                                     scale, enable_gqa, rng_state, attn_mask_requires_grad,
                                     [](const AttentionShape&) {});
   const AttentionShape& s = c.s;

@@ -279,7 +279,7 @@ inline T mask_in_units(T mv, T unit) {
 }
 
 // s[c] += mask_in_units(m[c]) over contiguous float mask columns, cloned per
-// instruction set (the generic loop in mask_row ran 4 lanes wide and cost a
+// instruction set (the generic loop in transform_row ran 4 lanes wide and cost a
 // third of a masked forward).
 MHA_CPU_CLONES void add_float_mask_f(float* s, const float* m, int64_t n, float unit) {
   for (int64_t c = 0; c < n; ++c) s[c] += mask_in_units(m[c], unit);
@@ -291,13 +291,25 @@ MHA_CPU_CLONES void apply_bool_mask_f(float* s, const bool* m, int64_t n) {
   for (int64_t c = 0; c < n; ++c) s[c] = m[c] ? s[c] : kNegInf;
 }
 
-// Scores of one tile row after scale: adds the float mask (mask_in_units: times `unit`, the
-// scores' units per natural unit) or sets -inf where the bool mask is false or
-// the causal rule hides the column.
+// The one score transform of the CPU kernels (AttentionVariant), on scores
+// s[0 .. n) of row i against keys j0 .. j0 + n, already scaled into the
+// kernel's units (`unit` per natural unit): softcap, ALiBi, then the float
+// mask added (mask_in_units) or the bool mask applied, and -inf on the keys
+// the row may not see (causal alignment and window).
 template <typename scalar_t, typename acc_t>
-void mask_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int64_t j0,
-              int64_t n, acc_t unit, acc_t* s) {
+void transform_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int64_t j0,
+                   int64_t n, acc_t unit, acc_t* s) {
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  const AttentionVariant& w = p.variant;
+  if (w.softcap > 0.0) {  // in units: C tanh(s / C) with C = softcap * unit
+    const acc_t cap = static_cast<acc_t>(w.softcap) * unit, inv = acc_t(1) / cap;
+    for (int64_t c = 0; c < n; ++c) s[c] = cap * std::tanh(s[c] * inv);
+  }
+  if (w.alibi != nullptr) {  // - slope |i + diag_offset - j|
+    const acc_t slope = static_cast<const acc_t*>(w.alibi)[b * w.alibi_stride_b + h * w.alibi_stride_h] * unit;
+    const int64_t d0 = i + w.diag_offset - j0;
+    for (int64_t c = 0; c < n; ++c) s[c] -= slope * static_cast<acc_t>(d0 > c ? d0 - c : c - d0);
+  }
   if (p.mask_kind != MaskKind::kNone) {
     const int64_t off = b * p.mask_stride.b + h * p.mask_stride.h + i * p.mask_stride.row +
                         j0 * p.mask_stride.col;
@@ -320,8 +332,22 @@ void mask_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int6
         for (int64_t c = 0; c < n; ++c) s[c] += mask_in_units(static_cast<acc_t>(m[c * cs]), unit);
     }
   }
-  if (p.is_causal) {
-    for (int64_t c = std::max<int64_t>(i + 1 - j0, 0); c < n; ++c) s[c] = kNegInf;
+  if (w.limits_keys()) {
+    const int64_t lo = std::min(std::max<int64_t>(w.begin(i) - j0, 0), n);
+    const int64_t hi = std::max(std::min(w.end(i, p.len_kv) - j0, n), lo);
+    std::fill(s, s + lo, kNegInf);
+    std::fill(s + hi, s + n, kNegInf);
+  }
+}
+
+// dS of a row (in place) times the softcap's derivative 1 - tanh^2, from the
+// raw scores in the kernel's units (what transform_row started from).
+template <typename acc_t>
+void softcap_grad_row(const AttentionFwdParams& p, const acc_t* raw, int64_t n, acc_t unit, acc_t* ds) {
+  const acc_t inv = acc_t(1) / (static_cast<acc_t>(p.variant.softcap) * unit);
+  for (int64_t c = 0; c < n; ++c) {
+    const acc_t t = std::tanh(raw[c] * inv);
+    ds[c] *= acc_t(1) - t * t;
   }
 }
 
@@ -401,9 +427,11 @@ inline uint64_t dropout_row_id(const AttentionFwdParams& p, int64_t b, int64_t h
   return static_cast<uint64_t>((b * p.heads_q + h) * p.len_q + i);
 }
 
-// Key columns a block of query rows [i0, i0 + m) can see: causal row i sees 0..i.
+// Keys [begin, end) that some row of the block [i0, i0 + m) may see (both
+// bounds grow with the row): the tile loops skip the rest.
+inline int64_t visible_kv_begin(const AttentionFwdParams& p, int64_t i0) { return p.variant.begin(i0); }
 inline int64_t visible_kv_end(const AttentionFwdParams& p, int64_t i0, int64_t m) {
-  return p.is_causal ? std::min(p.len_kv, i0 + m) : p.len_kv;
+  return p.variant.end(i0 + m - 1, p.len_kv);
 }
 
 // A mask shared by the heads (head stride 0) whose rows do not fit in the
@@ -445,7 +473,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   // On AMX the products give unscaled scores: without a float mask (added to
   // scaled scores) and with scale > 0 (so the row max scales with it), the
   // scale moves into the exponential's argument instead of a pass of its own.
-  const bool fold_scale = amx && p.mask_kind != MaskKind::kFloat && scale > acc_t(0);
+  const bool fold_scale = amx && p.mask_kind != MaskKind::kFloat && !p.variant.changes_scores() && scale > acc_t(0);
   // and without dropout, the exponential writes P in bfloat16 straight away
   const bool fuse_p = amx && !p.dropout.enabled();
 
@@ -509,8 +537,10 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
       std::fill(row_max.begin(), row_max.end(), kNegInf);
       std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
 
+      // key tiles some row of the chunk may see (a window skips the others;
+      // tiles start on multiples of kBlockN, where the packed layouts expect them)
       const int64_t chunk_kv_end = visible_kv_end(p, c0, cm);
-      for (int64_t j0 = 0; j0 < chunk_kv_end; j0 += kBlockN) {
+      for (int64_t j0 = visible_kv_begin(p, c0) / kBlockN * kBlockN; j0 < chunk_kv_end; j0 += kBlockN) {
         const int64_t n = std::min(kBlockN, chunk_kv_end - j0);
         const scalar_t* v_tile = v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row;
         const acc_t* k_t = kt_head.data() + j0;  // K^T of the tile, (E x n), row stride ldkt
@@ -520,7 +550,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
         for (int64_t r0 = 0; r0 < cm; r0 += kBlockM) {
           const int64_t i0 = c0 + r0, m = std::min(kBlockM, cm - r0);
           const int64_t nq = std::min(n, visible_kv_end(p, i0, m) - j0);  // causal: fewer columns
-          if (nq <= 0) continue;
+          if (nq <= 0 || visible_kv_begin(p, i0) >= j0 + n) continue;     // the block sees none of the tile
           acc_t* s = s_buf.data();
           acc_t* o_blk = o_acc.data() + r0 * ldo;
           const int64_t lds = amx ? round32(nq) : nq;  // S row stride
@@ -538,7 +568,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
             acc_t* srow = s + r * lds;
             const int64_t i = i0 + r;
             acc_t& rmax = row_max[r0 + r];
-            mask_row<scalar_t>(p, b, h, i, j0, nq, unit, srow);
+            transform_row<scalar_t>(p, b, h, i, j0, nq, unit, srow);
             acc_t tile_max = Ops::max(srow, nq) * (fold_scale ? scale : acc_t(1));
             if (tile_max == kNegInf && has_nan(srow, nq)) tile_max = std::numeric_limits<acc_t>::quiet_NaN();
             const acc_t new_max = nan_max(rmax, tile_max);
@@ -672,7 +702,9 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   const bool amx = kBf16 && cpu::active_isa() == cpu::Isa::kAmx;
   const int64_t ldq_acc = amx ? round32(E) : E;  // dQ accumulator row stride
   // S's scale inside the exponential on AMX, as in the forward
-  const bool fold_scale = amx && p.mask_kind != MaskKind::kFloat && s_scale > acc_t(0);
+  const bool fold_scale =
+      amx && p.mask_kind != MaskKind::kFloat && !p.variant.changes_scores() && s_scale > acc_t(0);
+  const bool softcap = p.variant.softcap > 0.0;
 
   // Work item: (batch, query head). Key/value tiles are the outer loop, so K,
   // K^T and V^T are packed once per tile (and head); dK and dV of the tile accumulate over
@@ -708,8 +740,10 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
     std::unique_ptr<AmxBwdBuffers> ab;
   };
 
-  // causal: rows before j0 see none of the key tile at j0
-  auto first_row = [&](int64_t j0) -> int64_t { return p.is_causal ? (j0 / kBlockM) * kBlockM : 0; };
+  // Query blocks [first_row, rows_end) may see the key tile [j0, j0 + n) (a
+  // causal alignment or window skips the others); blocks start on multiples of kBlockM.
+  auto first_row = [&](int64_t j0) -> int64_t { return p.variant.rows_begin(j0) / kBlockM * kBlockM; };
+  auto rows_end = [&](int64_t j0, int64_t n) -> int64_t { return p.variant.rows_end(j0 + n - 1, L); };
 
   // Packs the key/value tile (j0, n rows) of the head's key head for the
   // products: K rows and K^T, V^T (on AMX their pair layouts).
@@ -773,7 +807,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
     for (int64_t j0 = 0; j0 < S; j0 += kBlockN) {
       const int64_t n = std::min(kBlockN, S - j0);
       bool packed = false;
-      for (int64_t i0 = first_row(j0); i0 < L; i0 += kBlockM) {
+      for (int64_t i0 = first_row(j0); i0 < rows_end(j0, n); i0 += kBlockM) {
         const int64_t m = std::min(kBlockM, L - i0);
         const int64_t nq = std::min(n, visible_kv_end(p, i0, m) - j0);
         if (nq <= 0 || std::find(hd.exact.begin() + i0, hd.exact.begin() + i0 + m, 1) == hd.exact.begin() + i0 + m)
@@ -785,7 +819,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
           const int64_t i = i0 + r;
           if (!hd.exact[i]) continue;
           acc_t* srow = s_buf.data() + r * lds;
-          mask_row<scalar_t>(p, b, hd.h, i, j0, nq, unit, srow);
+          transform_row<scalar_t>(p, b, hd.h, i, j0, nq, unit, srow);
           const acc_t new_max = std::max(hd.row_sub[i], Ops::max(srow, nq) * mul);
           if (new_max == kNegInf) continue;
           const acc_t alpha = hd.row_sub[i] == kNegInf ? acc_t(0) : Ops::expb(hd.row_sub[i] - new_max);
@@ -815,7 +849,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
       hd.vt_buf.resize(amx ? 0 : transposed_ld(kBlockN) * Ev);  // V^T, (Ev x n), row stride ldt
     }
     Buffer<acc_t> o_buf(kBlockM * Ev);
-    Buffer<acc_t> p_buf(kBlockM * kBlockN), dp_buf(kBlockM * kBlockN);
+    Buffer<acc_t> p_buf(kBlockM * kBlockN), dp_buf(kBlockM * kBlockN), raw(softcap ? kBlockN : 0);
     std::vector<uint8_t> keep(kBlockN);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (H / group);
@@ -861,7 +895,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
         const int64_t ldt = transposed_ld(n);
         const int64_t n32 = round32(n);
         for (Head& hd : heads) pack_tile(hd, b, j0, n);
-        for (int64_t i0 = first_row(j0); i0 < L; i0 += kBlockM) {
+        for (int64_t i0 = first_row(j0); i0 < rows_end(j0, n); i0 += kBlockM) {
           const int64_t m = std::min(kBlockM, L - i0);
           const int64_t nq = std::min(n, visible_kv_end(p, i0, m) - j0);
           if (nq <= 0) continue;
@@ -892,7 +926,8 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
                 std::fill(dprow, dprow + nq, acc_t(0));
                 continue;
               }
-              mask_row<scalar_t>(p, b, h, i, j0, nq, unit, prow);
+              if (softcap) std::copy(prow, prow + nq, raw.data());  // for the softcap's derivative
+              transform_row<scalar_t>(p, b, h, i, j0, nq, unit, prow);
               Ops::exp_sub_sum(prow, nq, fold_scale ? s_scale : acc_t(1), hd.row_sub[i]);
               if (hd.exact[i]) Ops::scale(prow, nq, hd.row_inv[i]);
               if (p.dropout.enabled()) {
@@ -903,10 +938,11 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
               } else {
                 Ops::softmax_grad(prow, dprow, nq, hd.row_d[i]);
               }
-              if (dmask_all != nullptr) {
+              if (dmask_all != nullptr) {  // the mask is added after the softcap: its gradient is dS
                 acc_t* gm = dmask_all + ((b * H + h) * L + i) * S + j0;
                 std::copy(dprow, dprow + nq, gm);
               }
+              if (softcap) softcap_grad_row(p, raw.data(), nq, unit, dprow);
             }
             if (amx) {
               if constexpr (std::is_same_v<acc_t, float>) {

@@ -145,11 +145,14 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_fwd_device(
     const at::Tensor& value,  // (N..., Hkv, S, Ev), any strides
     const std::optional<at::Tensor>& attn_mask,  // broadcastable to (N..., Hq, L, S)
     double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa,
-    const std::optional<at::Tensor>& rng_state) {  // int64 (seed, offset), CPU or query's device
+    const std::optional<at::Tensor>& rng_state,  // int64 (seed, offset), CPU or query's device
+    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {  // (Hq) or (N..., Hq) slopes
+  const VariantArgs va{is_causal, window_left, window_right, bottom_right, softcap, alibi_slopes};
 #if defined(__CUDACC__)
   const c10::cuda::CUDAGuard guard(query.device());
 #endif
-  ForwardCall c = prepare_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+  ForwardCall c = prepare_forward(query, key, value, attn_mask, dropout_p, va, scale, enable_gqa,
                                   rng_state, check_device_limits,
                                   [&] { return draw_rng_state(query, key.size(-2)); });
   if (!c.has_rows) return {c.out, c.lse, c.rng_state};
@@ -178,11 +181,13 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     std::optional<double> scale, bool enable_gqa,
     const at::Tensor& rng_state,  // int64 (seed, offset), CPU or query's device
-    bool attn_mask_requires_grad) {
+    bool attn_mask_requires_grad, int64_t window_left, int64_t window_right, bool bottom_right,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  const VariantArgs va{is_causal, window_left, window_right, bottom_right, softcap, alibi_slopes};
 #if defined(__CUDACC__)
   const c10::cuda::CUDAGuard guard(query.device());
 #endif
-  BackwardCall c = prepare_backward(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_causal,
+  BackwardCall c = prepare_backward(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, va,
                                     scale, enable_gqa, rng_state, attn_mask_requires_grad, check_device_limits);
   const AttentionShape& s = c.s;
   const bool want_mask_grad = c.want_mask_grad;

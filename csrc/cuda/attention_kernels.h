@@ -132,11 +132,19 @@ MHA_DEVICE void load_tile(T* dst, int ld, int k_rows, int k_cols, const T* src, 
 template <typename T>
 MHA_DEVICE const T* as(const void* p) { return static_cast<const T*>(p); }
 
-// Scaled score of query row i and key column j of head (b, h) after the mask
-// and the causal rule (-inf where hidden); s is the raw dot product.
+// The one score transform of the CUDA kernels (AttentionVariant): the score
+// of query row i and key column j of head (b, h) from the raw dot product s:
+// scaled, softcapped, ALiBi, the mask, and -inf where the row may not see
+// the key (causal alignment and window).
 template <typename T, typename A>
 MHA_DEVICE A masked_score(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int64_t j, A s) {
+  const AttentionVariant& w = p.variant;
   A x = s * static_cast<A>(p.scale);
+  if (w.softcap > 0.0) x = static_cast<A>(w.softcap) * ftanh(x / static_cast<A>(w.softcap));
+  if (w.alibi != nullptr) {
+    const int64_t d = i + w.diag_offset - j;
+    x -= static_cast<const A*>(w.alibi)[b * w.alibi_stride_b + h * w.alibi_stride_h] * static_cast<A>(d < 0 ? -d : d);
+  }
   if (p.mask_kind != MaskKind::kNone) {
     const int64_t off = b * p.mask_stride.b + h * p.mask_stride.h + i * p.mask_stride.row + j * p.mask_stride.col;
     if (p.mask_kind == MaskKind::kBool) {
@@ -145,8 +153,16 @@ MHA_DEVICE A masked_score(const AttentionFwdParams& p, int64_t b, int64_t h, int
       x += static_cast<A>(to_float(as<T>(p.mask)[off]));
     }
   }
-  if (p.is_causal && j > i) x = -INFINITY;
+  if (j < w.begin(i) || j >= w.end(i, p.len_kv)) x = -INFINITY;
   return x;
+}
+
+// d(score) / d(scale * dot product): the softcap's 1 - tanh^2, else 1.
+template <typename A>
+MHA_DEVICE A score_slope(const AttentionFwdParams& p, A s) {
+  if (!(p.variant.softcap > 0.0)) return A(1);
+  const A t = ftanh(s * static_cast<A>(p.scale) / static_cast<A>(p.variant.softcap));
+  return A(1) - t * t;
 }
 
 // dropout.h's stream: the (seed, offset) a kernel resolved at its start
@@ -206,9 +222,9 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams p) {
   A o[kOT][4];
   zero(o);
   A m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {A(0), A(0)};
-  const int64_t kv_end = p.is_causal ? (i0 + kM < S ? i0 + kM : S) : S;
-
-  for (int64_t j0 = 0; j0 < kv_end; j0 += kN) {
+  // the key tiles some row of the block may see (causal alignment, window)
+  const int64_t kv_end = p.variant.end((i0 + kM < L ? i0 + kM : L) - 1, S);
+  for (int64_t j0 = p.variant.begin(i0) / kN * kN; j0 < kv_end; j0 += kN) {
     sync_threads();  // the previous tile's readers are done with k_s, v_s
     load_tile(k_s, kLd, kN, kHeadDim, k_g, p.k_stride.row, p.k_stride.col, j0, S, p.head_dim);
     load_tile(v_s, kLd, kN, kHeadDim, v_g, p.v_stride.row, p.v_stride.col, j0, S, p.head_dim_v);
@@ -320,6 +336,7 @@ MHA_DEVICE void prob_and_grad(const AttentionBwdParams& p, DropoutKey key, int64
   }
   prob = pr;
   if (grad_mask != nullptr) grad_mask[((b * p.heads_q + h) * p.len_q + i) * p.len_kv + j] = ds;
+  ds *= score_slope(p, s);  // what dQ and dK take
 }
 
 // Score of query row i against key j of head (b, h), a dot product on the
@@ -428,8 +445,9 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams p) {
   zero(dk);
   zero(dv);
 
-  // causal: query rows before j0 see none of this block's keys
-  for (int64_t i0 = p.is_causal ? j0 : 0; i0 < L; i0 += kB) {
+  // the query tiles with a row that may see one of this block's keys
+  const int64_t rows_end = p.variant.rows_end((j0 + kB < S ? j0 + kB : S) - 1, L);
+  for (int64_t i0 = p.variant.rows_begin(j0); i0 < rows_end; i0 += kB) {
     sync_threads();  // the previous tile's readers are done
     load_tile(q_s, kLd, kB, kHeadDim, q_g, p.q_stride.row, p.q_stride.col, i0, L, E);
     load_tile(do_s, kLd, kB, kHeadDim, do_g, p.grad_out_stride.row, p.grad_out_stride.col, i0, L, Ev);
@@ -548,8 +566,8 @@ MHA_UNROLL
 
   A dq[kCT][4];
   zero(dq);
-  const int64_t kv_end = p.is_causal ? (i0 + kB < S ? i0 + kB : S) : S;
-  for (int64_t j0 = 0; j0 < kv_end; j0 += kB) {
+  const int64_t kv_end = p.variant.end((i0 + kB < L ? i0 + kB : L) - 1, S);
+  for (int64_t j0 = p.variant.begin(i0) / kB * kB; j0 < kv_end; j0 += kB) {
     sync_threads();
     load_tile(k_s, kLd, kB, kHeadDim, k_g, p.k_stride.row, p.k_stride.col, j0, S, E);
     load_tile(v_s, kLd, kB, kHeadDim, v_g, p.v_stride.row, p.v_stride.col, j0, S, Ev);

@@ -32,6 +32,8 @@ MHA_DEVICE float fexp(float x) { return expf(x); }
 MHA_DEVICE double fexp(double x) { return exp(x); }
 MHA_DEVICE float flog(float x) { return logf(x); }
 MHA_DEVICE double flog(double x) { return log(x); }
+MHA_DEVICE float ftanh(float x) { return tanhf(x); }
+MHA_DEVICE double ftanh(double x) { return tanh(x); }
 template <typename T>
 MHA_DEVICE T from_float(float x);
 template <>
@@ -49,6 +51,8 @@ inline float fexp(float x) { return std::exp(x); }
 inline double fexp(double x) { return std::exp(x); }
 inline float flog(float x) { return std::log(x); }
 inline double flog(double x) { return std::log(x); }
+inline float ftanh(float x) { return std::tanh(x); }
+inline double ftanh(double x) { return std::tanh(x); }
 template <typename T>
 inline T from_float(float x) { return T(x); }
 #endif

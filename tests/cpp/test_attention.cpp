@@ -24,8 +24,10 @@ AttnOut attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        .findSchemaOrThrow("mha_ext::attention", "")
                        .typed<AttnOut(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const std::optional<at::Tensor>&, double, bool,
-                                      std::optional<double>, bool, const std::optional<at::Tensor>&)>();
-  return op.call(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, rng);
+                                      std::optional<double>, bool, const std::optional<at::Tensor>&,
+                                      int64_t, int64_t, bool, double, const std::optional<at::Tensor>&)>();
+  // window_left, window_right, bottom_right, softcap, alibi_slopes: none
+  return op.call(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, rng, -1, -1, false, 0.0, std::nullopt);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
@@ -38,9 +40,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, bool,
-              std::optional<double>, bool, const at::Tensor&, bool)>();
+              std::optional<double>, bool, const at::Tensor&, bool, int64_t, int64_t, bool, double,
+              const std::optional<at::Tensor>&)>();
   return op.call(g, q, k, v, out, lse, mask, 0.0, is_causal, std::nullopt, enable_gqa,
-                 torch::zeros({2}, torch::kLong), mask_grad);
+                 torch::zeros({2}, torch::kLong), mask_grad, -1, -1, false, 0.0, std::nullopt);
 }
 
 // softmax(q k^T / sqrt(E) + mask) v in float64; causal is top-left; GQA by repeat.

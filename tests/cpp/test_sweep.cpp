@@ -25,25 +25,21 @@ using Fwd = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using Bwd = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using OptT = std::optional<at::Tensor>;
 
+// the variant arguments of both ops: window_left, window_right, bottom_right, softcap, alibi_slopes
+using FwdSig = Fwd(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, double, bool,
+                   std::optional<double>, bool, const OptT&, int64_t, int64_t, bool, double, const OptT&);
+using BwdSig = Bwd(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                   const at::Tensor&, const OptT&, double, bool, std::optional<double>, bool, const at::Tensor&,
+                   bool, int64_t, int64_t, bool, double, const OptT&);
 struct Ops {
-  c10::TypedOperatorHandle<Fwd(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, double, bool,
-                               std::optional<double>, bool, const OptT&)>
-      fwd;
-  c10::TypedOperatorHandle<Bwd(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, const OptT&, double, bool,
-                               std::optional<double>, bool, const at::Tensor&, bool)>
-      bwd;
+  c10::TypedOperatorHandle<FwdSig> fwd;
+  c10::TypedOperatorHandle<BwdSig> bwd;
 };
 
 Ops ops_of(const std::string& ns) {
   auto& d = c10::Dispatcher::singleton();
-  return {d.findSchemaOrThrow((ns + "::attention").c_str(), "")
-              .typed<Fwd(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, double, bool,
-                         std::optional<double>, bool, const OptT&)>(),
-          d.findSchemaOrThrow((ns + "::attention_backward").c_str(), "")
-              .typed<Bwd(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, const at::Tensor&, const OptT&, double, bool, std::optional<double>,
-                         bool, const at::Tensor&, bool)>()};
+  return {d.findSchemaOrThrow((ns + "::attention").c_str(), "").typed<FwdSig>(),
+          d.findSchemaOrThrow((ns + "::attention_backward").c_str(), "").typed<BwdSig>()};
 }
 
 at::Tensor keep_mask(const at::Tensor& rng, at::IntArrayRef shape, double p) {
@@ -101,17 +97,27 @@ void sweep(const std::string& ns, int max_len) {
       OptT keep;
       if (dropout) keep = keep_mask(rng, {N, Hq, L, S}, p);
       const bool gqa = Hq != Hkv;
-      auto [out, lse, rng_used] = ops.fwd.call(q, k, v, mask, p, causal, scale, gqa, rng);
+      // the variants, on every other case: bottom-right alignment, windows, softcap, ALiBi
+      mha_ext_test::Variant w;
+      if (c % 2 == 1) {
+        w.bottom_right = true;
+        w.left = c % 4 == 1 ? 5 : -1;
+        w.right = c % 3 == 0 ? 2 : -1;
+        w.softcap = c == 7 ? 2.5 : 0.0;
+        if (c == 9 || c == 11) w.alibi = torch::rand({Hq}) * 0.5;
+      }
+      auto [out, lse, rng_used] = ops.fwd.call(q, k, v, mask, p, causal, scale, gqa, rng, w.left, w.right,
+                                               w.bottom_right, w.softcap, w.alibi);
       const std::string what = ns + " dtype " + std::string(c10::toString(dtype)) + " case " + std::to_string(c);
       // the reference in float64 with autograd, from the dtype's values
       auto qr = q.to(torch::kDouble).requires_grad_(), kr = k.to(torch::kDouble).requires_grad_(),
            vr = v.to(torch::kDouble).requires_grad_();
-      auto ref = mha_ext_test::reference(qr, kr, vr, mask, causal, scale, keep, p);
+      auto ref = mha_ext_test::reference(qr, kr, vr, mask, causal, scale, keep, p, w);
       expect_near(out, ref.detach(), tolerance(dtype), what + " out");
       auto g = torch::randn(out.sizes(), torch::kDouble);
       auto want = torch::autograd::grad({ref}, {qr, kr, vr}, {g});
       auto [gq, gk, gv, gm] = ops.bwd.call(g.to(dtype), q, k, v, out, lse, mask, p, causal, scale, gqa, rng_used,
-                                           false);
+                                           false, w.left, w.right, w.bottom_right, w.softcap, w.alibi);
       // huge logits (case 5): dq and dk are rounding-level (their error is an
       // epsilon of the logits), so finite is what is asked of them
       const double logit_tol = c == 5 ? 1e3 : 1.0;
@@ -124,7 +130,8 @@ void sweep(const std::string& ns, int max_len) {
     // a NaN in one query row stays in that row
     auto q = torch::randn({1, 2, 9, 16}).to(dtype), k = torch::randn({1, 2, 11, 16}).to(dtype);
     q[0][1][4][3] = NAN;
-    auto out = std::get<0>(ops.fwd.call(q, k, k, std::nullopt, 0.0, false, std::nullopt, false, std::nullopt));
+    auto out = std::get<0>(
+        ops.fwd.call(q, k, k, std::nullopt, 0.0, false, std::nullopt, false, std::nullopt, -1, -1, false, 0.0, std::nullopt));
     auto nan_rows = torch::isnan(out).any(-1);
     EXPECT_EQ(nan_rows.sum().item<int64_t>(), 1) << ns;
     EXPECT_TRUE(nan_rows[0][1][4].item<bool>()) << ns;
