@@ -69,12 +69,8 @@ if with_cuda:
 else:
     ext = CppExtension("mha_ext._C", cpp_sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
 
+# name, version, dependencies, extras and packages: pyproject.toml
 setup(
-    name="mha_ext",
-    version="0.1.0",
-    description="Fused multi-head attention for PyTorch as a custom operator (CPU and CUDA)",
-    packages=["mha_ext"],
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    python_requires=">=3.10",
 )

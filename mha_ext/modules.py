@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .ops import new_rng_state
+from .ops import attention_weights, new_rng_state
 
 __all__ = ["MultiheadAttention"]
 
@@ -187,18 +187,4 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     def _weights(self, q, k, mask, lse, dropout_p, rng_state):
         """The attention weights torch's module returns, (N, H, L, S), dropped out
         with the very mask the fused op applied (same rng_state)."""
-        ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-        scores = (q.to(ct) @ k.to(ct).transpose(-2, -1)) * (q.shape[-1] ** -0.5)
-        if mask is not None:
-            if mask.dtype == torch.bool:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            else:
-                scores = scores + mask.to(ct)
-        # Rows with no key to attend to: weights 0 (softmax would give NaN there,
-        # and NaN gradients through torch.where).
-        any_key = (lse != float("-inf")).unsqueeze(-1)
-        weights = torch.where(any_key, torch.softmax(torch.where(any_key, scores, 0.0), dim=-1), 0.0)
-        if dropout_p > 0.0:
-            keep = torch.ops.mha_ext.dropout_mask(rng_state.cpu(), list(weights.shape), dropout_p).to(weights.device)
-            weights = weights * keep / (1.0 - dropout_p)
-        return weights.to(q.dtype)
+        return attention_weights(q, k, mask, lse, dropout_p=dropout_p, rng_state=rng_state)

@@ -421,6 +421,38 @@ def scaled_dot_product_attention(
     return out
 
 
+def attention_weights(query, key, attn_mask, logsumexp, is_causal=False, scale=None, softcap=0.0, dropout_p=0.0,
+                      rng_state=None):
+    """The attention weights (N..., Hq, L, S) of a call of the op with these
+    arguments (top-left causal), dropped out with the very mask the op
+    applied (same rng_state), in query's dtype: what need_weights and
+    output_attentions return. Materialises them (O(L x S) per head); rows
+    with no key to attend to (logsumexp -inf) are 0."""
+    acc = _acc_dtype(query.dtype)
+    q, k = query.to(acc), key.to(acc)
+    if k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if softcap > 0.0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(acc)
+    if is_causal:
+        scores = scores.masked_fill(~_visible(q.shape[-2], k.shape[-2], True, -1, -1, False, q.device), float("-inf"))
+    # Rows with no key to attend to: weights 0 (softmax would give NaN there,
+    # and NaN gradients through torch.where).
+    any_key = (logsumexp != float("-inf")).unsqueeze(-1)
+    weights = torch.where(any_key, torch.softmax(torch.where(any_key, scores, 0.0), dim=-1), 0.0)
+    if dropout_p > 0.0:
+        keep = torch.ops.mha_ext.dropout_mask(rng_state.cpu(), list(weights.shape), dropout_p).to(weights.device)
+        weights = weights * keep / (1.0 - dropout_p)
+    return weights.to(query.dtype)
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,

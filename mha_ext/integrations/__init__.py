@@ -1,0 +1,1 @@
+"""Integrations of mha_ext with other libraries (each imported on demand)."""
