@@ -124,6 +124,28 @@ CASES = {
                                   R("RuntimeError", r"shape must have at least 1 dim, got \(\)")),
     "dropout_mask: p out of range": ("op.dropout_mask(torch.zeros(2, dtype=torch.int64), [4], 2.0)",
                                      R("RuntimeError", r"dropout_p must be in \[0, 1\), got 2")),
+    # -- the variants (mha_ext.attention and the op's arguments) -----------
+    "window of three numbers": ("mha_ext.attention(q, q, q, window=(1, 2, 3))",
+                                R("ValueError", r"window must be \(left, right\), got \(1, 2, 3\)")),
+    "unknown alignment": ("mha_ext.attention(q, q, q, causal=True, alignment='lower_right')",
+                          R("ValueError", r"alignment must be 'top_left' or 'bottom_right', got 'lower_right'")),
+    "window_left below -1": ("op.attention(q, q, q, None, 0.0, False, None, False, None, -3, -1, False, 0.0, None)",
+                             R("RuntimeError", r"window_left must be >= -1 \(-1: no limit\), got -3")),
+    "negative softcap": ("mha_ext.attention(q, q, q, softcap=-2.0)",
+                         R("RuntimeError", r"softcap must be a finite number >= 0 \(0: none\), got -2")),
+    "NaN softcap": ("mha_ext.attention(q, q, q, softcap=float('nan'))",
+                    R("RuntimeError", r"softcap must be a finite number >= 0 \(0: none\), got nan")),
+    "ALiBi slopes of the wrong shape": ("mha_ext.attention(q, q, q, alibi_slopes=torch.ones(2, 3))",
+                                        R("RuntimeError", r"alibi_slopes must be a floating-point tensor of shape "
+                                                          r"\(Hq\) = \(4\) or \(N..., Hq\) = \(2, 4\), got torch.float32 of shape \(2, 3\)")),
+    "integer ALiBi slopes": ("mha_ext.attention(q, q, q, alibi_slopes=torch.ones(4, dtype=torch.int32))",
+                             R("RuntimeError", r"alibi_slopes must be a floating-point tensor .* got torch.int32")),
+    "ALiBi slopes on another device": ("mha_ext.attention(q, q, q, alibi_slopes=torch.ones(4, device='meta'))",
+                                       R("RuntimeError", r"alibi_slopes must be on the same device as query \(cpu\), got meta")),
+    "bottom-right window that leaves rows empty (defined: 0)": (
+        "a, b = t(1, 1, 9, 8), t(1, 1, 4, 8)\n"
+        "out, lse = mha_ext.attention(a, b, b, causal=True, alignment='bottom_right', window=(0, 0), return_lse=True)\n"
+        "assert (out[..., :5, :] == 0).all() and torch.isneginf(lse[..., :5]).all() and torch.isfinite(out).all()", TORCH),
     # -- the module -------------------------------------------------------
     "module: embed_dim not divisible by num_heads": ("MHA(10, 3)", R("ValueError", r"embed_dim must be divisible by num_heads")),
     "module: query of the wrong embed_dim": ("m = MHA(8, 2, batch_first=True); x = t(2, 3, 8); m(t(2, 3, 6), x, x)",

@@ -246,3 +246,17 @@ def test_variant_on_cuda_matches_reference(name):
     from test_cuda_emul import OnCuda
 
     check_against_reference(OnCuda(), name, torch.float16)
+
+
+def test_export_variants():
+    slopes = _slopes(2)
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return mha_ext.attention(q, k, v, causal=True, alignment="bottom_right", window=(8, -1), softcap=4.0,
+                                     alibi_slopes=slopes)
+
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+    ep = torch.export.export(M(), (q, k, v))
+    assert any("mha_ext.attention" in str(n.target) for n in ep.graph.nodes)
+    torch.testing.assert_close(ep.module()(q, k, v), M()(q, k, v))
