@@ -42,6 +42,9 @@ constexpr int64_t kBlockM = 64;
 constexpr int64_t kBlockN = 256;
 // Forward work items are kChunkM query rows (4 blocks) of a head.
 constexpr int64_t kChunkM = 256;
+// Up to this many query rows the forward takes scores as dot products with
+// K's rows instead of packing K^T of the head (forward_cpu.cpp, row_dots).
+constexpr int64_t kRowDotRows = 8;
 
 // ---------------------------------------------------------------------------
 // Row operations. Float: max and exp come from gemm_cpu (intrinsics on
