@@ -78,7 +78,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   // a (1, L, L) float mask, 12 heads x 64: L = 1024 53.2 vs 59.3 ms, L = 2048
   // 221 vs 228; at L = 512 (a 1 MiB mask) 18.4 vs 18.3 with 20 heads.
   const bool heads_inner = shared_mask_outgrows_l2<scalar_t>(p);
-  // A few query rows (decoding: one row against the whole cache) without GQA
+  // A single query row (decoding: one row against the whole cache) without GQA
   // take their scores as dot products with K's rows, read in place, instead
   // of packing K^T of the whole head for them: packing costs as much as the
   // product there. With GQA the packed K^T serves the group's query heads and

@@ -44,7 +44,9 @@ constexpr int64_t kBlockN = 256;
 constexpr int64_t kChunkM = 256;
 // Up to this many query rows the forward takes scores as dot products with
 // K's rows instead of packing K^T of the head (forward_cpu.cpp, row_dots).
-constexpr int64_t kRowDotRows = 8;
+// With 4 rows the dot path lost to torch (bench_decode.py, 12 x 64 heads:
+// float32 0.61-1.17, bfloat16 0.65-0.80), so only single rows take it.
+constexpr int64_t kRowDotRows = 1;
 
 // ---------------------------------------------------------------------------
 // Row operations. Float: max and exp come from gemm_cpu (intrinsics on

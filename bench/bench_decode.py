@@ -1,0 +1,80 @@
+"""Decoding: one (or a few) query rows against a long key/value cache,
+mha_ext against F.scaled_dot_product_attention, in one process, interleaved,
+medians; K/V bytes read per second beside a streaming-read bandwidth measured
+in the same run (a sum over a 1 GiB float32 tensor).
+
+    python bench/bench_decode.py            # the grid of issue 12 (a few minutes)
+    python bench/bench_decode.py --quick
+
+Writes markdown to bench/out/decode.md and prints it.
+"""
+import argparse
+import datetime
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import mha_ext  # noqa: E402
+from bench_attention import cpu_name, median_times  # noqa: E402
+
+
+def stream_gbs(reps=5):
+    x = torch.ones(256 * 1024 * 1024)  # 1 GiB
+    t = median_times([lambda: x.sum()], reps)[0]
+    return x.numel() * 4 / t / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args()
+    batches = [1, 4] if args.quick else [1, 4, 8]
+    lengths = [2048, 8192] if args.quick else [2048, 8192, 32768]
+    shapes = [(32, 8, 128), (12, 12, 64)]
+    bw = stream_gbs()
+    lines = [f"# Decode: mha_ext vs F.scaled_dot_product_attention, {datetime.date.today()}", "",
+             f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, mha_ext CPU path "
+             f"{mha_ext.ops.cpu_isa()}; `python bench/bench_decode.py {' '.join(sys.argv[1:])}`; medians of "
+             f"{args.reps} interleaved runs. Streaming read (sum of 1 GiB float32): {bw:.1f} GB/s. "
+             "K/V GB/s = bytes of K and V / time.", "",
+             "| dtype | B | Hq, Hkv, D | S | L | mha_ext ms | torch ms | torch / mha_ext | mha_ext K/V GB/s | torch K/V GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    ratios = []
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        for B in batches:
+            for hq, hkv, D in shapes:
+                for S in lengths:
+                    for L in (1, 4):
+                        q = torch.randn(B, hq, L, D, dtype=dtype)
+                        k = torch.randn(B, hkv, S, D, dtype=dtype)
+                        v = torch.randn(B, hkv, S, D, dtype=dtype)
+                        gqa = hq != hkv
+                        fns = [lambda: mha_ext.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
+                               lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)]
+                        ta, tb = median_times(fns, args.reps)
+                        kv = 2 * k.numel() * k.element_size()
+                        ratios.append(tb / ta)
+                        lines.append(f"| {name} | {B} | {hq}, {hkv}, {D} | {S} | {L} | {ta * 1e3:.3f} | {tb * 1e3:.3f} | "
+                                     f"{tb / ta:.2f} | {kv / ta / 1e9:.1f} | {kv / tb / 1e9:.1f} |")
+                        print(lines[-1], flush=True)
+                        del q, k, v
+    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    lines += ["", f"Geometric mean of torch / mha_ext over the table: {geo:.2f}; lowest {min(ratios):.2f}."]
+    text = "\n".join(lines)
+    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
+    with open(os.path.join(HERE, "out", "decode.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
