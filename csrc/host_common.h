@@ -103,8 +103,11 @@ inline std::vector<at::Tensor> fill_common(AttentionFwdParams& p, const Attentio
   p.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim));
   AttentionVariant& w = p.variant;
   w.diag_offset = va.bottom_right ? s.len_kv - s.len_q : 0;
-  w.left = va.window_left;
-  w.right = va.is_causal ? (va.window_right < 0 ? 0 : std::min<int64_t>(va.window_right, 0)) : va.window_right;
+  // a window wider than L + S changes nothing; clamped there, i + offset +- it cannot overflow
+  const int64_t widest = s.len_q + s.len_kv;
+  const int64_t left = std::min(va.window_left, widest), right = std::min(va.window_right, widest);
+  w.left = left;
+  w.right = va.is_causal ? (right < 0 ? 0 : std::min<int64_t>(right, 0)) : right;
   w.softcap = va.softcap;
   if (va.alibi_slopes.has_value()) {  // (Hq) or (N..., Hq) -> (B, Hq) in the accumulation type
     at::Tensor a = va.alibi_slopes->to(acc_type_of(query.scalar_type()));

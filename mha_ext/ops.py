@@ -204,6 +204,10 @@ def _setup_context(ctx, inputs, output):
     ctx.has_mask = attn_mask is not None
     # (window_left, window_right, bottom_right, softcap); the slopes are saved
     window_left, window_right, bottom_right, softcap, alibi = (variant + [-1, -1, False, 0.0, None][len(variant):])
+    _check(
+        alibi is None or not alibi.requires_grad,
+        lambda: "alibi_slopes must not require grad: ALiBi's slopes are constants here (pass alibi_slopes.detach())",
+    )
     ctx.has_alibi = alibi is not None
     ctx.save_for_backward(query, key, value, out, lse, rng_used, *([attn_mask] if ctx.has_mask else []),
                           *([alibi] if ctx.has_alibi else []))
@@ -216,6 +220,7 @@ def _visible(L, S, is_causal, window_left, window_right, bottom_right, device):
     """(L, S) bool: the keys each query row may see (AttentionVariant)."""
     i = torch.arange(L, device=device).unsqueeze(-1) + (S - L if bottom_right else 0)
     j = torch.arange(S, device=device)
+    window_left, window_right = min(window_left, L + S), min(window_right, L + S)  # (no int64 overflow)
     right = (0 if window_right < 0 else min(window_right, 0)) if is_causal else window_right
     ok = torch.ones(L, S, dtype=torch.bool, device=device)
     if right >= 0:

@@ -260,3 +260,26 @@ def test_export_variants():
     ep = torch.export.export(M(), (q, k, v))
     assert any("mha_ext.attention" in str(n.target) for n in ep.graph.nodes)
     torch.testing.assert_close(ep.module()(q, k, v), M()(q, k, v))
+
+
+BIG = 2 ** 63 - 1
+
+
+def test_windows_wider_than_the_sequence_change_nothing():
+    # windows up to 2^63 - 1 (i + offset + window must not overflow): the same as no window
+    q, k, v = (torch.randn(1, 2, 9, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    for kw in (dict(window=(-1, BIG)), dict(window=(BIG, BIG)), dict(causal=True, window=(BIG, -1)),
+               dict(causal=True, alignment="bottom_right", window=(BIG, BIG))):
+        out = mha_ext.attention(q, k, v, **kw)
+        plain = mha_ext.attention(q, k, v, causal=kw.get("causal", False))
+        torch.testing.assert_close(out, plain)
+        ga = torch.autograd.grad(out.sum(), (q, k, v))
+        gb = torch.autograd.grad(plain.sum(), (q, k, v))
+        for a, b in zip(ga, gb):
+            torch.testing.assert_close(a, b)
+
+
+def test_alibi_slopes_that_require_grad_are_refused():
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"alibi_slopes must not require grad"):
+        mha_ext.attention(q, q, q, alibi_slopes=torch.ones(2, requires_grad=True))

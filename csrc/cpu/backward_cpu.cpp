@@ -262,8 +262,6 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
           for (int64_t r = 0; r < m; ++r)
             hd.row_d[i0 + r] = Ops::dot(hd.doh + (i0 + r) * hd.lddo, ot + r * ldo, Ev);
         }
-        hd.lse_h = lse + bh * L;
-        exact_row_stats(hd, b);
         if constexpr (kBf16) {
           if (amx) {
             AmxBwdBuffers::pack_head(q + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row, p.q_stride.col, L, E,
@@ -273,6 +271,8 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
                                      hd.ab->do_rows.data(), hd.ab->do_pairs.data());
           }
         }
+        hd.lse_h = lse + bh * L;
+        exact_row_stats(hd, b);  // after the packing: on AMX its products read q_rows
       }
 
       for (int64_t j0 = 0; j0 < S; j0 += kBlockN) {
