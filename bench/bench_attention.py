@@ -62,6 +62,15 @@ def median_times(fns, reps, warmup=1):
     return [statistics.median(t) for t in times]
 
 
+def write_report(name, lines):
+    """Writes the markdown lines to bench/out/<name> and prints them."""
+    text = "\n".join(lines)
+    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
+    with open(os.path.join(HERE, "out", name), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
 def batch_for(H, L, E, target_gflop):
     return max(1, round(target_gflop * 1e9 / (4 * H * L * L * E)))
 

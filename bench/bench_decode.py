@@ -13,7 +13,6 @@ import datetime
 import math
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import mha_ext  # noqa: E402
-from bench_attention import cpu_name, median_times  # noqa: E402
+from bench_attention import cpu_name, median_times, write_report  # noqa: E402
 
 
 def stream_gbs(reps=5):
@@ -69,11 +68,7 @@ def main():
                         del q, k, v
     geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     lines += ["", f"Geometric mean of torch / mha_ext over the table: {geo:.2f}; lowest {min(ratios):.2f}."]
-    text = "\n".join(lines)
-    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-    with open(os.path.join(HERE, "out", "decode.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+    write_report("decode.md", lines)
 
 
 if __name__ == "__main__":

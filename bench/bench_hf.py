@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import mha_ext  # noqa: E402
 import mha_ext.integrations.transformers as mt  # noqa: E402
-from bench_attention import cpu_name, median_times  # noqa: E402
+from bench_attention import cpu_name, median_times, write_report  # noqa: E402
 
 IMPLS = ["mha_ext", "sdpa", "eager"]
 
@@ -132,11 +132,7 @@ def main():
                          f"{tp[2] / tp[0]:.2f} | {rg[0]:.1f} / {rg[1]:.1f} / {rg[2]:.1f} | {rg[0] / rg[1]:.2f} | "
                          f"{rg[0] / rg[2]:.2f} |")
         lines.append("")
-    text = "\n".join(lines)
-    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-    with open(os.path.join(HERE, "out", "hf.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+    write_report("hf.md", lines)
 
 
 if __name__ == "__main__":
