@@ -14,6 +14,7 @@
 #include "host_device.h"
 
 #include <cstdint>
+#include <type_traits>
 
 namespace mha_ext {
 
@@ -61,6 +62,7 @@ struct DropoutParams {
 // then the attention mask is added (or applied) and hidden keys get -inf.
 struct AttentionVariant {
   int64_t diag_offset = 0;
+  bool bottom_right = false;  // diag_offset is len_kv - len_q (per sequence in a varlen batch)
   int64_t left = -1, right = -1;
   double softcap = 0.0;
   const void* alibi = nullptr;  // slopes (B, Hq) in the accumulation type, or null
@@ -106,8 +108,25 @@ struct AttentionFwdParams {
   MaskKind mask_kind = MaskKind::kNone;
   DropoutParams dropout;
 
+  // lse (and the CUDA backward's per-row buffers) of row i of (b, h) sit at
+  // lse_index(b, h, i); the same number addresses the row's dropout draws.
+  // Dense: (B, Hq, L) contiguous, strides (Hq L, L), row0_q = 0.
+  int64_t lse_stride_b = 0, lse_stride_h = 0;
+  int64_t row0_q = 0;
+
+  // Varlen (the varlen ops): B sequences packed along the rows, batch strides
+  // 0. Sequence b has the packed query rows cu_seqlens_q[b] ..
+  // cu_seqlens_q[b + 1] and the key rows cu_seqlens_k[b] .. cu_seqlens_k[b + 1];
+  // len_q / len_kv are the longest (they size buffers and grids). Kernels see
+  // one sequence at a time through sequence_params below. Null: dense.
+  const int32_t* cu_seqlens_q = nullptr;  // (B + 1)
+  const int32_t* cu_seqlens_k = nullptr;  // (B + 1)
+
   // query head h reads key/value head h / group_size
   MHA_HOST_DEVICE int64_t group_size() const { return heads_q / heads_kv; }
+  MHA_HOST_DEVICE int64_t lse_index(int64_t b, int64_t h, int64_t i) const {
+    return b * lse_stride_b + h * lse_stride_h + row0_q + i;
+  }
 };
 
 // The backward recomputes P = exp(score - lse) from the saved logsumexp.
@@ -132,13 +151,42 @@ struct AttentionBwdParams : AttentionFwdParams {
   void* grad_mask = nullptr;       // (B, Hq, L, S) contiguous float buffer, or null
   // CUDA only, contiguous, accumulation type (float; double for double):
   void* row_dot = nullptr;         // (B, Hq, L): D = rowsum(dO * O)
-  void* grad_q_accum = nullptr;    // (B, Hq, L, E) zeroed, dQ added atomically; null: deterministic dQ kernel
+  void* grad_q_accum = nullptr;    // grad_q's layout (strides) zeroed, dQ added atomically; null: deterministic dQ kernel
   // (B, Hq, L): P = exp(min(score - row_shift, 0) - row_log_norm). The dot
   // kernel writes lse and 0, or for rows lse_needs_exact_stats picks the
   // row's max and log(row sum).
   void* row_shift = nullptr;
   void* row_log_norm = nullptr;
   Strides4 grad_out_stride;
+  // where grad_q, grad_k and grad_v put element (b, h, row, col); the col
+  // stride is 1 (grad_k / grad_v: h counts query heads)
+  Strides4 grad_q_stride, grad_k_stride, grad_v_stride;
 };
+
+// The params of sequence b of a varlen batch alone: pointers moved to its
+// first rows, its own lengths and diagonal. The batch strides stay 0, so a
+// kernel indexes with b as for a dense batch. Dense params come back as they
+// are. T: the inputs' element type, A: the accumulation type (grad_k, grad_v).
+template <typename T, typename A, typename P>
+MHA_HOST_DEVICE P sequence_params(P p, int64_t b) {
+  if (p.cu_seqlens_q == nullptr) return p;
+  const int64_t q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
+  p.len_q = p.cu_seqlens_q[b + 1] - q0;
+  p.len_kv = p.cu_seqlens_k[b + 1] - k0;
+  p.variant.diag_offset = p.variant.bottom_right ? p.len_kv - p.len_q : 0;
+  p.row0_q = q0;
+  p.q = static_cast<const T*>(p.q) + q0 * p.q_stride.row;
+  p.k = static_cast<const T*>(p.k) + k0 * p.k_stride.row;
+  p.v = static_cast<const T*>(p.v) + k0 * p.v_stride.row;
+  p.out = static_cast<T*>(p.out) + q0 * p.out_stride.row;
+  if constexpr (std::is_base_of_v<AttentionBwdParams, P>) {
+    p.grad_out = static_cast<const T*>(p.grad_out) + q0 * p.grad_out_stride.row;
+    p.grad_q = static_cast<T*>(p.grad_q) + q0 * p.grad_q_stride.row;
+    if (p.grad_q_accum != nullptr) p.grad_q_accum = static_cast<A*>(p.grad_q_accum) + q0 * p.grad_q_stride.row;
+    p.grad_k = static_cast<A*>(p.grad_k) + k0 * p.grad_k_stride.row;
+    p.grad_v = static_cast<A*>(p.grad_v) + k0 * p.grad_v_stride.row;
+  }
+  return p;
+}
 
 }  // namespace mha_ext

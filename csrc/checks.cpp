@@ -1,5 +1,6 @@
 #include "checks.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <c10/util/Exception.h>
@@ -47,18 +48,24 @@ bool is_supported_float(at::ScalarType t) {
   return t == at::kDouble || t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
 
-void check_qkv_tensor(const char* name, const at::Tensor& t, const at::Tensor& query) {
+// query, key and value: a supported float type, `dims_ok` (else `dims_want`),
+// and (key, value) query's dtype and device. Returns whether t is not query.
+bool check_qkv_common(const char* name, const at::Tensor& t, const at::Tensor& query, bool dims_ok,
+                      const char* dims_want) {
   TORCH_CHECK(is_supported_float(t.scalar_type()), name,
               " must be a floating-point tensor (float64, float32, float16 or bfloat16), got ",
               dtype_name(t.scalar_type()));
-  TORCH_CHECK(t.dim() >= 3, name,
-              " must have at least 3 dims (..., heads, seq_len, head_dim), got shape ",
-              format_shape(t.sizes()));
-  if (&t == &query) return;
+  TORCH_CHECK(dims_ok, name, " must have ", dims_want, ", got shape ", format_shape(t.sizes()));
+  if (&t == &query) return false;
   TORCH_CHECK(t.scalar_type() == query.scalar_type(), name, " must have the same dtype as query (",
               dtype_name(query.scalar_type()), "), got ", dtype_name(t.scalar_type()));
   TORCH_CHECK(t.device() == query.device(), name, " must be on the same device as query (",
               query.device().str(), "), got ", t.device().str());
+  return true;
+}
+
+void check_qkv_tensor(const char* name, const at::Tensor& t, const at::Tensor& query) {
+  if (!check_qkv_common(name, t, query, t.dim() >= 3, "at least 3 dims (..., heads, seq_len, head_dim)")) return;
   TORCH_CHECK(t.dim() == query.dim(), name, " must have the same number of dims as query (",
               query.dim(), "), got ", t.dim());
   const auto qb = query.sizes().slice(0, query.dim() - 3);
@@ -120,6 +127,76 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                 ", got ", format_shape(m.sizes()));
   }
   check_dropout_p(dropout_p);
+  return s;
+}
+
+namespace {
+
+void check_packed(const char* name, const at::Tensor& t, const at::Tensor& query) {
+  check_qkv_common(name, t, query, t.dim() == 3, "3 dims (total_seqlen, heads, head_dim)");
+}
+
+// Checks the values of cu_seqlens (see check_varlen_inputs); returns the
+// longest sequence.
+int64_t check_cu_seqlens(const char* name, const at::Tensor& cu, int64_t total, const char* max_name,
+                         int64_t max_seqlen) {
+  const at::Tensor host = cu.device().is_cpu() ? cu.contiguous() : cu.to(at::kCPU);
+  const int32_t* c = host.const_data_ptr<int32_t>();
+  const int64_t n = host.numel();
+  TORCH_CHECK(c[0] == 0, name, "[0] must be 0, got ", c[0]);
+  int64_t longest = 0;
+  for (int64_t b = 0; b + 1 < n; ++b) {
+    TORCH_CHECK(c[b + 1] >= c[b], name, " must not decrease, got ", name, "[", b, "] = ", c[b], " > ", name, "[",
+                b + 1, "] = ", c[b + 1]);
+    longest = std::max<int64_t>(longest, c[b + 1] - c[b]);
+  }
+  TORCH_CHECK(c[n - 1] == total, name, "[-1] must equal the packed length ", total, ", got ", c[n - 1]);
+  TORCH_CHECK(longest <= max_seqlen, max_name, " must be at least the longest sequence (", longest, "), got ",
+              max_seqlen);
+  return longest;
+}
+
+}  // namespace
+
+VarlenShape check_varlen_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p) {
+  check_packed("query", query, query);
+  check_packed("key", key, query);
+  check_packed("value", value, query);
+  VarlenShape s;
+  s.total_q = query.size(0);
+  s.heads_q = query.size(1);
+  s.head_dim = query.size(2);
+  s.total_kv = key.size(0);
+  s.heads_kv = key.size(1);
+  s.head_dim_v = value.size(2);
+  TORCH_CHECK(key.size(2) == s.head_dim, "key must have the same head_dim as query (", s.head_dim, "), got ",
+              key.size(2));
+  TORCH_CHECK(value.size(0) == s.total_kv && value.size(1) == s.heads_kv,
+              "value must have key's (total_seqlen, heads) = (", s.total_kv, ", ", s.heads_kv, "), got (",
+              value.size(0), ", ", value.size(1), ")");
+  TORCH_CHECK(s.heads_q == s.heads_kv || (s.heads_kv > 0 && s.heads_q % s.heads_kv == 0), "query heads (",
+              s.heads_q, ") must be a multiple of key/value heads (", s.heads_kv, ")");
+  const at::Tensor* cus[2] = {&cu_seqlens_q, &cu_seqlens_k};
+  const char* names[2] = {"cu_seqlens_q", "cu_seqlens_k"};
+  for (int t = 0; t < 2; ++t) {
+    const at::Tensor& c = *cus[t];
+    TORCH_CHECK(c.scalar_type() == at::kInt && c.dim() == 1 && c.numel() >= 1, names[t],
+                " must be an int32 tensor of shape (batch + 1), got ", dtype_name(c.scalar_type()), " of shape ",
+                format_shape(c.sizes()));
+    TORCH_CHECK(c.device() == query.device(), names[t], " must be on the same device as query (",
+                query.device().str(), "), got ", c.device().str());
+  }
+  TORCH_CHECK(cu_seqlens_k.numel() == cu_seqlens_q.numel(), "cu_seqlens_k must have cu_seqlens_q's shape (",
+              cu_seqlens_q.numel(), "), got (", cu_seqlens_k.numel(), ")");
+  TORCH_CHECK(max_seqlen_q >= 0, "max_seqlen_q must be >= 0, got ", max_seqlen_q);
+  TORCH_CHECK(max_seqlen_k >= 0, "max_seqlen_k must be >= 0, got ", max_seqlen_k);
+  check_dropout_p(dropout_p);
+  s.batch = cu_seqlens_q.numel() - 1;
+  s.batch_sizes = {s.batch};
+  s.len_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, s.total_q, "max_seqlen_q", max_seqlen_q);
+  s.len_kv = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, s.total_kv, "max_seqlen_k", max_seqlen_k);
   return s;
 }
 

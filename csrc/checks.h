@@ -25,6 +25,21 @@ AttentionShape check_attention_inputs(const at::Tensor& query, const at::Tensor&
                                       const std::optional<at::Tensor>& attn_mask,
                                       double dropout_p, bool enable_gqa);
 
+// Sizes of a varlen call: B = batch sequences packed along the rows, len_q /
+// len_kv the longest of them (batch_sizes = (B)).
+struct VarlenShape : AttentionShape {
+  int64_t total_q = 0, total_kv = 0;
+};
+
+// query (total_q, Hq, E), key (total_k, Hkv, E), value (total_k, Hkv, Ev)
+// with Hq a multiple of Hkv; cu_seqlens_q / cu_seqlens_k int32 of shape
+// (B + 1) on query's device whose values (read on the host: a copy from a
+// GPU) start at 0, never decrease and end at total_q / total_k, with no
+// sequence longer than max_seqlen_q / max_seqlen_k.
+VarlenShape check_varlen_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p);
+
 // The variant arguments: windows >= -1 (-1: unbounded), softcap finite and
 // >= 0 (0: none), alibi_slopes floating with shape (Hq) or (N..., Hq) on
 // query's device.

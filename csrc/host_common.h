@@ -74,6 +74,44 @@ struct VariantArgs {
   const std::optional<at::Tensor>& alibi_slopes;
 };
 
+// Fills what every op's params share beyond the tensors q, k, v and the
+// mask: sizes, scale, the variant, dropout. Views it made go to keep_alive.
+inline void fill_scalars(AttentionFwdParams& p, const AttentionShape& s, const at::Tensor& query, double dropout_p,
+                         const VariantArgs& va, std::optional<double> scale,
+                         const std::optional<at::Tensor>& rng_state, std::vector<at::Tensor>& keep_alive) {
+  p.batch = s.batch;
+  p.heads_q = s.heads_q;
+  p.heads_kv = s.heads_kv;
+  p.len_q = s.len_q;
+  p.len_kv = s.len_kv;
+  p.head_dim = s.head_dim;
+  p.head_dim_v = s.head_dim_v;
+  p.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+  AttentionVariant& w = p.variant;
+  w.bottom_right = va.bottom_right;
+  w.diag_offset = va.bottom_right ? s.len_kv - s.len_q : 0;
+  // a window wider than L + S changes nothing; clamped there, i + offset +- it cannot overflow
+  const int64_t widest = s.len_q + s.len_kv;
+  const int64_t left = std::min(va.window_left, widest), right = std::min(va.window_right, widest);
+  w.left = left;
+  w.right = va.is_causal ? (right < 0 ? 0 : std::min<int64_t>(right, 0)) : right;
+  w.softcap = va.softcap;
+  if (va.alibi_slopes.has_value()) {  // (Hq) or (N..., Hq) -> (B, Hq) in the accumulation type
+    at::Tensor a = va.alibi_slopes->to(acc_type_of(query.scalar_type()));
+    a = a.expand(with_batch(s, {s.heads_q})).reshape({s.batch, s.heads_q});
+    w.alibi = a.const_data_ptr();
+    w.alibi_stride_b = a.stride(0);
+    w.alibi_stride_h = a.stride(1);
+    keep_alive.push_back(a);
+  }
+  if (dropout_p > 0.0) {
+    TORCH_INTERNAL_ASSERT(rng_state.has_value());
+    at::Tensor rng = rng_state->contiguous();  // kernels read (seed, offset) at [0], [1]
+    p.dropout = dropout_params(dropout_p, rng);
+    keep_alive.push_back(rng);
+  }
+}
+
 // Fills everything the forward and backward share: sizes, strides, mask,
 // scale, the variant, dropout. Returns the flattened views it pointed at, which must
 // outlive the kernel call.
@@ -92,31 +130,9 @@ inline std::vector<at::Tensor> fill_common(AttentionFwdParams& p, const Attentio
   p.k_stride = strides_of(k4);
   p.v_stride = strides_of(v4);
   keep_alive.insert(keep_alive.end(), {q4, k4, v4});
-
-  p.batch = s.batch;
-  p.heads_q = s.heads_q;
-  p.heads_kv = s.heads_kv;
-  p.len_q = s.len_q;
-  p.len_kv = s.len_kv;
-  p.head_dim = s.head_dim;
-  p.head_dim_v = s.head_dim_v;
-  p.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(s.head_dim));
-  AttentionVariant& w = p.variant;
-  w.diag_offset = va.bottom_right ? s.len_kv - s.len_q : 0;
-  // a window wider than L + S changes nothing; clamped there, i + offset +- it cannot overflow
-  const int64_t widest = s.len_q + s.len_kv;
-  const int64_t left = std::min(va.window_left, widest), right = std::min(va.window_right, widest);
-  w.left = left;
-  w.right = va.is_causal ? (right < 0 ? 0 : std::min<int64_t>(right, 0)) : right;
-  w.softcap = va.softcap;
-  if (va.alibi_slopes.has_value()) {  // (Hq) or (N..., Hq) -> (B, Hq) in the accumulation type
-    at::Tensor a = va.alibi_slopes->to(acc_type_of(query.scalar_type()));
-    a = a.expand(with_batch(s, {s.heads_q})).reshape({s.batch, s.heads_q});
-    w.alibi = a.const_data_ptr();
-    w.alibi_stride_b = a.stride(0);
-    w.alibi_stride_h = a.stride(1);
-    keep_alive.push_back(a);
-  }
+  fill_scalars(p, s, query, dropout_p, va, scale, rng_state, keep_alive);
+  p.lse_stride_b = s.heads_q * s.len_q;  // lse (B, Hq, L), contiguous
+  p.lse_stride_h = s.len_q;
 
   if (attn_mask.has_value()) {
     at::Tensor m4 = flatten_batch(attn_mask->expand(with_batch(s, {s.heads_q, s.len_q, s.len_kv})));
@@ -124,13 +140,6 @@ inline std::vector<at::Tensor> fill_common(AttentionFwdParams& p, const Attentio
     p.mask_stride = strides_of(m4);
     p.mask_kind = m4.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kFloat;
     keep_alive.push_back(m4);
-  }
-
-  if (dropout_p > 0.0) {
-    TORCH_INTERNAL_ASSERT(rng_state.has_value());
-    at::Tensor rng = rng_state->contiguous();  // kernels read (seed, offset) at [0], [1]
-    p.dropout = dropout_params(dropout_p, rng);
-    keep_alive.push_back(rng);
   }
   return keep_alive;
 }

@@ -31,6 +31,22 @@ TORCH_LIBRARY(mha_ext, m) {
   // a floating attn_mask (its own shape); otherwise an empty tensor there.
   m.def(mha_ext::kAttentionBackwardSchema);
 
+  // `attention` over a batch of sequences of different lengths packed along
+  // the rows, FlashAttention's varlen convention: query (total_q, Hq, E), key
+  // (total_k, Hkv, E), value (total_k, Hkv, Ev), int32 cu_seqlens_q /
+  // cu_seqlens_k (B + 1) of cumulative lengths (0 first, the packed length
+  // last), max_seqlen_q / max_seqlen_k at least the longest sequence. Each
+  // sequence attends to its own keys only, with GQA (Hq a multiple of Hkv),
+  // the variants of `attention` per sequence (bottom_right, default True,
+  // aligns is_causal, windows and ALiBi at each sequence's last key), dropout
+  // and scale. Returns out (total_q, Hq, Ev), logsumexp (Hq, total_q) and the
+  // (seed, offset) used, as `attention` does. No work on padding: the cost is
+  // the sum of the sequences' L x S.
+  m.def(mha_ext::kVarlenAttentionSchema);
+
+  // Fused backward of `varlen_attention`: the gradients of query, key and value.
+  m.def(mha_ext::kVarlenAttentionBackwardSchema);
+
   // The keep mask (True = kept) that `attention` applies for this rng_state
   // and dropout_p, as a bool tensor of `shape` = (N..., H, L, S). For need_weights
   // paths and tests; the fused ops never materialise it.

@@ -22,6 +22,21 @@ def _as_float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
+def _attend_unpadded_keys(q, k, v, key_padding_mask, dropout_p, rng_state):
+    """Attention of q (N, H, L, D) over the keys of k, v (N, H, S, D) that
+    key_padding_mask (N, S), True = padding, leaves: only those are gathered
+    and attended (mha_ext::varlen_attention), so padding costs no work.
+    Returns what mha_ext::attention does: out (N, H, L, D), logsumexp (N, H, L)."""
+    N, H, L, D = q.shape
+    keep = ~key_padding_mask
+    cu_k = F.pad(keep.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    cu_q = torch.arange(0, (N + 1) * L, L, dtype=torch.int32, device=q.device)
+    out, lse, rng_used = torch.ops.mha_ext.varlen_attention(
+        q.transpose(1, 2).reshape(N * L, H, D), k.transpose(1, 2)[keep], v.transpose(1, 2)[keep], cu_q, cu_k, L,
+        k.shape[2], dropout_p, False, None, rng_state)
+    return out.view(N, L, H, -1).transpose(1, 2), lse.view(H, N, L).transpose(0, 1), rng_used
+
+
 class MultiheadAttention(torch.nn.MultiheadAttention):
     """Drop-in for torch.nn.MultiheadAttention with a fused attention core.
 
@@ -124,7 +139,16 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if all_dropped:
             dropout_p = 0.0
         rng_state = new_rng_state(q.device) if dropout_p > 0.0 else None
-        out, lse, rng_used = torch.ops.mha_ext.attention(q, k, v, mask, dropout_p, use_causal, None, False, rng_state)
+        # A bool key_padding_mask alone: the padded keys are left out of the
+        # work (varlen) instead of masked. With need_weights and dropout the
+        # weights must show the dense op's dropout draws, so that case stays dense.
+        skip_padding = (key_padding_mask is not None and key_padding_mask.dtype == torch.bool and attn_mask is None
+                        and not use_causal and not (need_weights and dropout_p > 0.0))
+        if skip_padding:
+            out, lse, rng_used = _attend_unpadded_keys(q, k, v, key_padding_mask, dropout_p, rng_state)
+        else:
+            out, lse, rng_used = torch.ops.mha_ext.attention(q, k, v, mask, dropout_p, use_causal, None, False,
+                                                             rng_state)
         if all_dropped:
             out = out * 0.0
         out = self.out_proj(out.transpose(1, 2).reshape(N, L, E))

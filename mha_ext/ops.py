@@ -458,6 +458,16 @@ def attention_weights(query, key, attn_mask, logsumexp, is_causal=False, scale=N
     return weights.to(query.dtype)
 
 
+def _variant_args(alignment, window, softcap):
+    """(window_left, window_right, bottom_right, softcap) of the ops from the
+    functional API's alignment, window and softcap."""
+    if alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"alignment must be 'top_left' or 'bottom_right', got {alignment!r}")
+    if len(window) != 2:
+        raise ValueError(f"window must be (left, right), got {window!r}")
+    return int(window[0]), int(window[1]), alignment == "bottom_right", float(softcap)
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -494,14 +504,21 @@ def attention(
 
     Scores are scaled (scale, default 1 / sqrt(E)) before the softcap. GQA
     with enable_gqa=True. A row that may see no key gives 0."""
-    if alignment not in ("top_left", "bottom_right"):
-        raise ValueError(f"alignment must be 'top_left' or 'bottom_right', got {alignment!r}")
-    if len(window) != 2:
-        raise ValueError(f"window must be (left, right), got {window!r}")
+    variant = _variant_args(alignment, window, softcap)
     dropout_p = _check_arg_types(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)
     rng_state = new_rng_state(query.device) if dropout_p > 0.0 else None
     out, lse, _ = torch.ops.mha_ext.attention(
-        query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa, rng_state, int(window[0]),
-        int(window[1]), alignment == "bottom_right", float(softcap), alibi_slopes,
+        query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa, rng_state, *variant, alibi_slopes
     )
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------
+# The varlen ops (mha_ext/varlen.py), registered from here: torch requires the
+# fake kernels to come from the module the C++ library names.
+from . import varlen as _varlen  # noqa: E402
+
+torch.library.register_fake("mha_ext::varlen_attention")(_varlen._varlen_fake)
+torch.library.register_fake("mha_ext::varlen_attention_backward")(_varlen._varlen_backward_fake)
+torch.library.register_autograd("mha_ext::varlen_attention", _varlen._backward, setup_context=_varlen._setup_context)
+torch.library.register_autograd("mha_ext::varlen_attention_backward", _varlen._double_backward)

@@ -146,6 +146,32 @@ CASES = {
         "a, b = t(1, 1, 9, 8), t(1, 1, 4, 8)\n"
         "out, lse = mha_ext.attention(a, b, b, causal=True, alignment='bottom_right', window=(0, 0), return_lse=True)\n"
         "assert (out[..., :5, :] == 0).all() and torch.isneginf(lse[..., :5]).all() and torch.isfinite(out).all()", TORCH),
+    # -- varlen (mha_ext.varlen_attention): values of cu_seqlens that would
+    #    read outside the packed tensors if trusted -------------------------
+    "varlen: cu_seqlens int64": ("mha_ext.varlen_attention(t(10, 2, 8), t(12, 2, 8), t(12, 2, 8), "
+                                 "torch.tensor([0, 4, 10]), torch.tensor([0, 5, 12], dtype=torch.int32), 6, 7)",
+                                 R("RuntimeError", r"cu_seqlens_q must be an int32 tensor of shape \(batch \+ 1\), got "
+                                                   r"torch.int64")),
+    "varlen: cu_seqlens_k past the keys": (
+        "mha_ext.varlen_attention(t(10, 2, 8), t(12, 2, 8), t(12, 2, 8), torch.tensor([0, 4, 10], dtype=torch.int32), "
+        "torch.tensor([0, 5, 5000], dtype=torch.int32), 6, 5000)",
+        R("RuntimeError", r"cu_seqlens_k\[-1\] must equal the packed length 12, got 5000")),
+    "varlen: cu_seqlens_q decreasing": (
+        "mha_ext.varlen_attention(t(10, 2, 8), t(12, 2, 8), t(12, 2, 8), torch.tensor([0, 11, 10], dtype=torch.int32), "
+        "torch.tensor([0, 5, 12], dtype=torch.int32), 20, 7)",
+        R("RuntimeError", r"cu_seqlens_q must not decrease, got cu_seqlens_q\[1\] = 11 > cu_seqlens_q\[2\] = 10")),
+    "varlen: cu_seqlens_q negative start": (
+        "mha_ext.varlen_attention(t(10, 2, 8), t(12, 2, 8), t(12, 2, 8), torch.tensor([-4, 4, 10], dtype=torch.int32), "
+        "torch.tensor([0, 5, 12], dtype=torch.int32), 8, 7)",
+        R("RuntimeError", r"cu_seqlens_q\[0\] must be 0, got -4")),
+    "varlen: max_seqlen_k below a real length": (
+        "mha_ext.varlen_attention(t(10, 2, 8), t(12, 2, 8), t(12, 2, 8), torch.tensor([0, 4, 10], dtype=torch.int32), "
+        "torch.tensor([0, 5, 12], dtype=torch.int32), 6, 3)",
+        R("RuntimeError", r"max_seqlen_k must be at least the longest sequence \(7\), got 3")),
+    "varlen: batch sizes differ": (
+        "mha_ext.varlen_attention(t(10, 2, 8), t(12, 2, 8), t(12, 2, 8), torch.tensor([0, 4, 10], dtype=torch.int32), "
+        "torch.tensor([0, 12], dtype=torch.int32), 6, 12)",
+        R("RuntimeError", r"cu_seqlens_k must have cu_seqlens_q's shape \(3\), got \(2\)")),
     # -- the module -------------------------------------------------------
     "module: embed_dim not divisible by num_heads": ("MHA(10, 3)", R("ValueError", r"embed_dim must be divisible by num_heads")),
     "module: query of the wrong embed_dim": ("m = MHA(8, 2, batch_first=True); x = t(2, 3, 8); m(t(2, 3, 6), x, x)",

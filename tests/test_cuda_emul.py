@@ -56,6 +56,12 @@ class OnCuda:
     def attention_backward(self, *args):
         return self._call(torch.ops.mha_ext.attention_backward, 11, args)
 
+    def varlen_attention(self, *args):
+        return self._call(torch.ops.mha_ext.varlen_attention, 10, args)
+
+    def varlen_attention_backward(self, *args):
+        return self._call(torch.ops.mha_ext.varlen_attention_backward, 13, args)
+
 
 @pytest.fixture(scope="module", params=[
     "emul", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])

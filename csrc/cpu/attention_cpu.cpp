@@ -104,6 +104,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     p.grad_q = grad_q.data_ptr();
     p.grad_k = dk_heads.data_ptr();
     p.grad_v = dv_heads.data_ptr();
+    p.grad_q_stride = Strides4{Hq * L * E, L * E, E, 1};
+    p.grad_k_stride = strides_of(dk_heads);
+    p.grad_v_stride = strides_of(dv_heads);
     p.grad_mask = want_mask_grad ? dmask_full.data_ptr() : nullptr;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(),
                                     "attention_bwd_cpu", [&] { attention_bwd_kernel<scalar_t>(p); });

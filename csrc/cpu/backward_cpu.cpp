@@ -66,21 +66,15 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   using acc_t = at::opmath_type<scalar_t>;
   using Ops = RowOps<acc_t>;
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-  const int64_t H = p.heads_q, L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
+  // L_max: the query length (in a varlen batch the longest); per item L and S
+  // are those of its sequence (sequence_params)
+  const int64_t H = p.heads_q, L_max = p.len_q, E = p.head_dim, Ev = p.head_dim_v;
   const int64_t G = p.group_size();
   const acc_t unit = Ops::kUnitsPerNat;
   const acc_t scale = static_cast<acc_t>(p.scale);  // of dS
   const acc_t s_scale = scale * unit;               // of S, in the kernel's units
   const acc_t rescale = static_cast<acc_t>(p.dropout.rescale);
-  const scalar_t* q = static_cast<const scalar_t*>(p.q);
-  const scalar_t* k = static_cast<const scalar_t*>(p.k);
-  const scalar_t* v = static_cast<const scalar_t*>(p.v);
-  const scalar_t* o = static_cast<const scalar_t*>(p.out);
-  const scalar_t* dout = static_cast<const scalar_t*>(p.grad_out);
   const acc_t* lse = static_cast<const acc_t*>(p.lse);
-  scalar_t* dq_out = static_cast<scalar_t*>(p.grad_q);
-  acc_t* dk_all = static_cast<acc_t*>(p.grad_k);
-  acc_t* dv_all = static_cast<acc_t*>(p.grad_v);
   acc_t* dmask_all = static_cast<acc_t*>(p.grad_mask);
   // bfloat16 on AMX: the five products on the tile unit (AmxBwdBuffers)
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
@@ -108,8 +102,9 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   // One query head's state within an item.
   struct Head {
     int64_t h = 0, hk = 0;
-    acc_t* dk = nullptr;
+    acc_t* dk = nullptr;  // dK and dV of the head's keys, rows ld_dk / ld_dv apart
     acc_t* dv = nullptr;
+    int64_t ld_dk = 0, ld_dv = 0;
     const acc_t* qh = nullptr;   // Q of the head, (L x E), row stride ldq
     const acc_t* doh = nullptr;  // dO of the head, (L x Ev), row stride lddo
     const acc_t* lse_h = nullptr;
@@ -127,15 +122,22 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
 
   // Query blocks [first_row, rows_end) may see the key tile [j0, j0 + n) (a
   // causal alignment or window skips the others); blocks start on multiples of kBlockM.
-  auto first_row = [&](int64_t j0) -> int64_t { return p.variant.rows_begin(j0) / kBlockM * kBlockM; };
-  auto rows_end = [&](int64_t j0, int64_t n) -> int64_t { return p.variant.rows_end(j0 + n - 1, L); };
+  // The lambdas take the item's sequence params sp (sequence_params).
+  auto first_row = [&](const AttentionBwdParams& sp, int64_t j0) -> int64_t {
+    return sp.variant.rows_begin(j0) / kBlockM * kBlockM;
+  };
+  auto rows_end = [&](const AttentionBwdParams& sp, int64_t j0, int64_t n) -> int64_t {
+    return sp.variant.rows_end(j0 + n - 1, sp.len_q);
+  };
 
   // Packs the key/value tile (j0, n rows) of the head's key head for the
   // products: K rows and K^T, V^T (on AMX their pair layouts).
-  auto pack_tile = [&](Head& hd, int64_t b, int64_t j0, int64_t n) {
+  auto pack_tile = [&](const AttentionBwdParams& sp, Head& hd, int64_t b, int64_t j0, int64_t n) {
     const int64_t ldt = transposed_ld(n), n32 = round32(n);
-    const scalar_t* k_tile = k + b * p.k_stride.b + hd.hk * p.k_stride.h + j0 * p.k_stride.row;
-    const scalar_t* v_tile = v + b * p.v_stride.b + hd.hk * p.v_stride.h + j0 * p.v_stride.row;
+    const scalar_t* k_tile =
+        static_cast<const scalar_t*>(sp.k) + b * p.k_stride.b + hd.hk * p.k_stride.h + j0 * p.k_stride.row;
+    const scalar_t* v_tile =
+        static_cast<const scalar_t*>(sp.v) + b * p.v_stride.b + hd.hk * p.v_stride.h + j0 * p.v_stride.row;
     if (!amx) {
       hd.kt = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, hd.k_buf.data(), &hd.ldk);
       load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, hd.kt_buf.data(), ldt);
@@ -177,7 +179,8 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   // exact max and sum from a pass over the keys with the same tiles and
   // products as the main loop, so the scores are the same to the bit and
   // S - max <= 0 there. Costs nothing when no row needs it.
-  auto exact_row_stats = [&](Head& hd, int64_t b) {
+  auto exact_row_stats = [&](const AttentionBwdParams& sp, Head& hd, int64_t b) {
+    const int64_t L = sp.len_q, S = sp.len_kv;
     bool any = false;
     for (int64_t i = 0; i < L; ++i) {
       const acc_t x = hd.lse_h[i];
@@ -192,19 +195,19 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
     for (int64_t j0 = 0; j0 < S; j0 += kBlockN) {
       const int64_t n = std::min(kBlockN, S - j0);
       bool packed = false;
-      for (int64_t i0 = first_row(j0); i0 < rows_end(j0, n); i0 += kBlockM) {
+      for (int64_t i0 = first_row(sp, j0); i0 < rows_end(sp, j0, n); i0 += kBlockM) {
         const int64_t m = std::min(kBlockM, L - i0);
-        const int64_t nq = std::min(n, visible_kv_end(p, i0, m) - j0);
+        const int64_t nq = std::min(n, visible_kv_end(sp, i0, m) - j0);
         if (nq <= 0 || std::find(hd.exact.begin() + i0, hd.exact.begin() + i0 + m, 1) == hd.exact.begin() + i0 + m)
           continue;
-        if (!packed) pack_tile(hd, b, j0, n), packed = true;
+        if (!packed) pack_tile(sp, hd, b, j0, n), packed = true;
         const int64_t lds = amx ? round32(nq) : nq;
         scores(hd, i0, m, n, nq, s_buf.data());
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
           if (!hd.exact[i]) continue;
           acc_t* srow = s_buf.data() + r * lds;
-          transform_row<scalar_t>(p, b, hd.h, i, j0, nq, unit, srow);
+          transform_row<scalar_t>(sp, b, hd.h, i, j0, nq, unit, srow);
           const acc_t new_max = std::max(hd.row_sub[i], Ops::max(srow, nq) * mul);
           if (new_max == kNegInf) continue;
           const acc_t alpha = hd.row_sub[i] == kNegInf ? acc_t(0) : Ops::expb(hd.row_sub[i] - new_max);
@@ -221,14 +224,14 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
     std::vector<Head> heads(group);
     for (Head& hd : heads) {
       // (on AMX the products read AmxBwdBuffers; dO is still read as acc_t for D)
-      if (!amx && tile_needs_pack<scalar_t, acc_t>(p.q_stride.col)) hd.q_buf.resize(L * E);
-      if (tile_needs_pack<scalar_t, acc_t>(p.grad_out_stride.col)) hd.do_buf.resize(L * Ev);
-      hd.row_d.resize(L);
-      hd.row_sub.resize(L);
-      hd.row_inv.resize(L);
-      hd.exact.resize(L);
-      hd.dq_acc.resize((amx ? round32(L) : L) * ldq_acc);
-      if (amx) hd.ab.reset(new AmxBwdBuffers(L, E, Ev));
+      if (!amx && tile_needs_pack<scalar_t, acc_t>(p.q_stride.col)) hd.q_buf.resize(L_max * E);
+      if (tile_needs_pack<scalar_t, acc_t>(p.grad_out_stride.col)) hd.do_buf.resize(L_max * Ev);
+      hd.row_d.resize(L_max);
+      hd.row_sub.resize(L_max);
+      hd.row_inv.resize(L_max);
+      hd.exact.resize(L_max);
+      hd.dq_acc.resize((amx ? round32(L_max) : L_max) * ldq_acc);
+      if (amx) hd.ab.reset(new AmxBwdBuffers(L_max, E, Ev));
       hd.k_buf.resize(amx ? 0 : kBlockN * E);
       hd.kt_buf.resize(amx ? 0 : transposed_ld(kBlockN) * E);  // K^T, (E x n), row stride ldt
       hd.vt_buf.resize(amx ? 0 : transposed_ld(kBlockN) * Ev);  // V^T, (Ev x n), row stride ldt
@@ -238,16 +241,24 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
     std::vector<uint8_t> keep(kBlockN);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (H / group);
+      const AttentionBwdParams sp = sequence_params<scalar_t, acc_t>(p, b);  // p itself unless varlen
+      const int64_t L = sp.len_q, S = sp.len_kv;
+      const scalar_t* q = static_cast<const scalar_t*>(sp.q);
+      const scalar_t* o = static_cast<const scalar_t*>(sp.out);
+      const scalar_t* dout = static_cast<const scalar_t*>(sp.grad_out);
       for (int64_t g = 0; g < group; ++g) {  // the heads' setup: zeroed gradients, D, packed Q and dO
         Head& hd = heads[g];
         const int64_t h = (item % (H / group)) * group + g;
-        const int64_t bh = b * H + h;
         hd.h = h;
         hd.hk = h / G;
-        hd.dk = dk_all + bh * S * E;
-        hd.dv = dv_all + bh * S * Ev;
-        std::fill(hd.dk, hd.dk + S * E, acc_t(0));
-        std::fill(hd.dv, hd.dv + S * Ev, acc_t(0));
+        hd.dk = static_cast<acc_t*>(sp.grad_k) + b * p.grad_k_stride.b + h * p.grad_k_stride.h;
+        hd.dv = static_cast<acc_t*>(sp.grad_v) + b * p.grad_v_stride.b + h * p.grad_v_stride.h;
+        hd.ld_dk = p.grad_k_stride.row;
+        hd.ld_dv = p.grad_v_stride.row;
+        for (int64_t j = 0; j < S; ++j) {
+          std::fill(hd.dk + j * hd.ld_dk, hd.dk + j * hd.ld_dk + E, acc_t(0));
+          std::fill(hd.dv + j * hd.ld_dv, hd.dv + j * hd.ld_dv + Ev, acc_t(0));
+        }
         std::fill(hd.dq_acc.begin(), hd.dq_acc.end(), acc_t(0));
         int64_t ldo = 0;
         hd.qh = amx ? nullptr
@@ -271,18 +282,18 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
                                      hd.ab->do_rows.data(), hd.ab->do_pairs.data());
           }
         }
-        hd.lse_h = lse + bh * L;
-        exact_row_stats(hd, b);  // after the packing: on AMX its products read q_rows
+        hd.lse_h = lse + sp.lse_index(b, h, 0);
+        exact_row_stats(sp, hd, b);  // after the packing: on AMX its products read q_rows
       }
 
       for (int64_t j0 = 0; j0 < S; j0 += kBlockN) {
         const int64_t n = std::min(kBlockN, S - j0);
         const int64_t ldt = transposed_ld(n);
         const int64_t n32 = round32(n);
-        for (Head& hd : heads) pack_tile(hd, b, j0, n);
-        for (int64_t i0 = first_row(j0); i0 < rows_end(j0, n); i0 += kBlockM) {
+        for (Head& hd : heads) pack_tile(sp, hd, b, j0, n);
+        for (int64_t i0 = first_row(sp, j0); i0 < rows_end(sp, j0, n); i0 += kBlockM) {
           const int64_t m = std::min(kBlockM, L - i0);
-          const int64_t nq = std::min(n, visible_kv_end(p, i0, m) - j0);
+          const int64_t nq = std::min(n, visible_kv_end(sp, i0, m) - j0);
           if (nq <= 0) continue;
           const int64_t lds = amx ? round32(nq) : nq;  // P and dP row stride
           for (Head& hd : heads) {
@@ -312,13 +323,13 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
                 continue;
               }
               if (softcap) std::copy(prow, prow + nq, raw.data());  // for the softcap's derivative
-              transform_row<scalar_t>(p, b, h, i, j0, nq, unit, prow);
+              transform_row<scalar_t>(sp, b, h, i, j0, nq, unit, prow);
               Ops::exp_sub_sum(prow, nq, fold_scale ? s_scale : acc_t(1), hd.row_sub[i]);
               if (hd.exact[i]) Ops::scale(prow, nq, hd.row_inv[i]);
               if (p.dropout.enabled()) {
                 // O = sum_j P_j z_j V_j / (1 - p): the gradient wrt P_j is z_j dP_j / (1 - p),
                 // and dV takes the dropped, rescaled P.
-                dropout_keep_row_cpu(p.dropout, dropout_row_id(p, b, h, i), j0, nq, keep.data());
+                dropout_keep_row_cpu(p.dropout, dropout_row_id(sp, b, h, i), j0, nq, keep.data());
                 Ops::dropout_softmax_grad(prow, dprow, keep.data(), nq, rescale, hd.row_d[i]);
               } else {
                 Ops::softmax_grad(prow, dprow, nq, hd.row_d[i]);
@@ -341,10 +352,12 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
                             ab->e_pad);  // dK += scale dS^T Q
               }
             } else {
-              cpu::gemm(nq, Ev, m, acc_t(1), pt, 1, nq, dot, hd.lddo, acc_t(1), hd.dv + j0 * Ev, Ev);  // dV += P~^T dO
+              cpu::gemm(nq, Ev, m, acc_t(1), pt, 1, nq, dot, hd.lddo, acc_t(1), hd.dv + j0 * hd.ld_dv,
+                        hd.ld_dv);  // dV += P~^T dO
               cpu::gemm(m, E, nq, scale, dpt, nq, 1, hd.kt, hd.ldk, acc_t(1), hd.dq_acc.data() + i0 * E,
                         E);  // dQ += scale dS K
-              cpu::gemm(nq, E, m, scale, dpt, 1, nq, qt, hd.ldq, acc_t(1), hd.dk + j0 * E, E);  // dK += scale dS^T Q
+              cpu::gemm(nq, E, m, scale, dpt, 1, nq, qt, hd.ldq, acc_t(1), hd.dk + j0 * hd.ld_dk,
+                        hd.ld_dk);  // dK += scale dS^T Q
             }
           }
         }
@@ -353,17 +366,18 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
             const AmxBwdBuffers* ab = hd.ab.get();
             for (int64_t j = 0; j < n; ++j) {
               std::copy(ab->dk_tile.begin() + j * ab->e_pad, ab->dk_tile.begin() + j * ab->e_pad + E,
-                        hd.dk + (j0 + j) * E);
+                        hd.dk + (j0 + j) * hd.ld_dk);
               std::copy(ab->dv_tile.begin() + j * ab->ev_pad, ab->dv_tile.begin() + j * ab->ev_pad + Ev,
-                        hd.dv + (j0 + j) * Ev);
+                        hd.dv + (j0 + j) * hd.ld_dv);
             }
           }
         }
       }
       for (const Head& hd : heads) {
-        scalar_t* dq_rows = dq_out + (b * H + hd.h) * L * E;
+        scalar_t* dq_rows = static_cast<scalar_t*>(sp.grad_q) + b * p.grad_q_stride.b + hd.h * p.grad_q_stride.h;
         for (int64_t i = 0; i < L; ++i)
-          for (int64_t e = 0; e < E; ++e) dq_rows[i * E + e] = static_cast<scalar_t>(hd.dq_acc[i * ldq_acc + e]);
+          for (int64_t e = 0; e < E; ++e)
+            dq_rows[i * p.grad_q_stride.row + e] = static_cast<scalar_t>(hd.dq_acc[i * ldq_acc + e]);
       }
     }
   });

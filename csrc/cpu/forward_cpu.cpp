@@ -39,10 +39,6 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   const acc_t unit = Ops::kUnitsPerNat;
   const acc_t scale = static_cast<acc_t>(p.scale) * unit;  // scores in the kernel's units
   const acc_t rescale = static_cast<acc_t>(p.dropout.rescale);
-  const scalar_t* q = static_cast<const scalar_t*>(p.q);
-  const scalar_t* k = static_cast<const scalar_t*>(p.k);
-  const scalar_t* v = static_cast<const scalar_t*>(p.v);
-  scalar_t* out = static_cast<scalar_t*>(p.out);
   acc_t* lse = static_cast<acc_t*>(p.lse);
 
   // bfloat16 on AMX: Q, K, V and P stay bfloat16 and multiply on the tile
@@ -58,19 +54,20 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   // and without dropout, the exponential writes P in bfloat16 straight away
   const bool fuse_p = amx && !p.dropout.enabled();
 
-  // Work item: (batch, head, chunk of kChunkM query rows). K^T of the whole
+  // Work item: (batch, head, chunk of kChunkM query rows); in a varlen batch
+  // L is the longest sequence's and the chunks past a sequence's end are empty. K^T of the whole
   // key head (on AMX: K and V in the tile unit's pair layouts) is packed when
   // a thread's item moves to another key head; consecutive items are chunks of
   // one head, so a head is packed about once per thread rather than once per
   // chunk (O(S) memory per thread; with a mask shared by the heads the order
   // is different, see heads_inner). Each kBlockM-row query block of a chunk
   // then reads its key/value tile from there.
-  const int64_t S_kv = p.len_kv, s32 = round32(S_kv);
+  const int64_t s32 = round32(p.len_kv);
   // K's pair rows on AMX, 32 bf16 longer than the head: at exactly 2 s32 a
   // long head put the 16 rows of a tile load 8 KiB apart, all in one L1 set
   // (the tile loads of S = Q K^T were two thirds of the forward's product time)
   const int64_t ld_kbf = 2 * s32 + 32;
-  const int64_t ldkt = transposed_ld(S_kv);  // K^T row stride
+  const int64_t ldkt = transposed_ld(p.len_kv);  // K^T row stride
   // With a shared mask that outgrows L2, items go chunk-major, heads inner: a
   // chunk's mask rows (256 x S) are still in L2 for the next head, at the
   // price of packing K^T whenever the key head changes (every item unless GQA
@@ -104,7 +101,13 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
         bh = (bc / n_chunks) * H + w % H;
       }
       const int64_t h = bh % H, b = bh / H, hk = h / G;
-      const int64_t c0 = chunk * kChunkM, cm = std::min(kChunkM, L - c0);
+      const AttentionFwdParams sp = sequence_params<scalar_t, acc_t>(p, b);  // p itself unless varlen
+      const int64_t S_kv = sp.len_kv, c0 = chunk * kChunkM, cm = std::min(kChunkM, sp.len_q - c0);
+      if (cm <= 0) continue;
+      const scalar_t* q = static_cast<const scalar_t*>(sp.q);
+      const scalar_t* k = static_cast<const scalar_t*>(sp.k);
+      const scalar_t* v = static_cast<const scalar_t*>(sp.v);
+      scalar_t* out = static_cast<scalar_t*>(sp.out);
       if (b * p.heads_kv + hk != packed_head) {
         packed_head = b * p.heads_kv + hk;
         const scalar_t* k_head = k + b * p.k_stride.b + hk * p.k_stride.h;
@@ -131,8 +134,8 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
 
       // key tiles some row of the chunk may see (a window skips the others;
       // tiles start on multiples of kBlockN, where the packed layouts expect them)
-      const int64_t chunk_kv_end = visible_kv_end(p, c0, cm);
-      for (int64_t j0 = visible_kv_begin(p, c0) / kBlockN * kBlockN; j0 < chunk_kv_end; j0 += kBlockN) {
+      const int64_t chunk_kv_end = visible_kv_end(sp, c0, cm);
+      for (int64_t j0 = visible_kv_begin(sp, c0) / kBlockN * kBlockN; j0 < chunk_kv_end; j0 += kBlockN) {
         const int64_t n = std::min(kBlockN, chunk_kv_end - j0);
         const scalar_t* v_tile = v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row;
         const acc_t* k_t = kt_head.data() + j0;  // K^T of the tile, (E x n), row stride ldkt
@@ -145,8 +148,8 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
                                    : nullptr;
         for (int64_t r0 = 0; r0 < cm; r0 += kBlockM) {
           const int64_t i0 = c0 + r0, m = std::min(kBlockM, cm - r0);
-          const int64_t nq = std::min(n, visible_kv_end(p, i0, m) - j0);  // causal: fewer columns
-          if (nq <= 0 || visible_kv_begin(p, i0) >= j0 + n) continue;     // the block sees none of the tile
+          const int64_t nq = std::min(n, visible_kv_end(sp, i0, m) - j0);  // causal: fewer columns
+          if (nq <= 0 || visible_kv_begin(sp, i0) >= j0 + n) continue;     // the block sees none of the tile
           acc_t* s = s_buf.data();
           acc_t* o_blk = o_acc.data() + r0 * ldo;
           const int64_t lds = amx ? round32(nq) : nq;  // S row stride
@@ -168,7 +171,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
             acc_t* srow = s + r * lds;
             const int64_t i = i0 + r;
             acc_t& rmax = row_max[r0 + r];
-            transform_row<scalar_t>(p, b, h, i, j0, nq, unit, srow);
+            transform_row<scalar_t>(sp, b, h, i, j0, nq, unit, srow);
             acc_t tile_max = Ops::max(srow, nq) * (fold_scale ? scale : acc_t(1));
             if (tile_max == kNegInf && has_nan(srow, nq)) tile_max = std::numeric_limits<acc_t>::quiet_NaN();
             const acc_t new_max = nan_max(rmax, tile_max);
@@ -190,7 +193,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
             rmax = new_max;
             if (alpha != acc_t(1)) Ops::scale(o_blk + r * ldo, Ev, alpha);
             if (p.dropout.enabled()) {
-              dropout_keep_row_cpu(p.dropout, dropout_row_id(p, b, h, i), j0, nq, keep.data());
+              dropout_keep_row_cpu(p.dropout, dropout_row_id(sp, b, h, i), j0, nq, keep.data());
               Ops::apply_keep(srow, keep.data(), nq, rescale);
             }
           }
@@ -224,7 +227,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
         for (int64_t e = 0; e < Ev; ++e) orow[e * p.out_stride.col] = static_cast<scalar_t>(arow[e] * inv);
         // l is 0 only when every key of the row is masked: lse = -inf there.
         // A NaN anywhere in the row's scores makes l, and so lse, NaN.
-        lse[(b * H + h) * L + i] = l > acc_t(0) ? (row_max[r] + Ops::logb(l)) / unit : (l == l ? kNegInf : l);
+        lse[sp.lse_index(b, h, i)] = l > acc_t(0) ? (row_max[r] + Ops::logb(l)) / unit : (l == l ? kNegInf : l);
       }
     }
   });

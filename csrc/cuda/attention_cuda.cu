@@ -4,6 +4,7 @@
 // translation unit, so every kernel instantiation (launch.h counts them) is
 // compiled once per architecture.
 #include "attention_host.h"
+#include "varlen_attention_host.h"
 
 #include <torch/library.h>
 
@@ -12,6 +13,8 @@ namespace mha_ext {
 TORCH_LIBRARY_IMPL(mha_ext, CUDA, m) {
   m.impl("attention", &device_host::attention_fwd_device);
   m.impl("attention_backward", &device_host::attention_bwd_device);
+  m.impl("varlen_attention", &device_host::varlen_attention_fwd_device);
+  m.impl("varlen_attention_backward", &device_host::varlen_attention_bwd_device);
 }
 
 }  // namespace mha_ext

@@ -223,6 +223,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_
     p.row_shift = row_stats[1].data_ptr();
     p.row_log_norm = row_stats[2].data_ptr();
     p.grad_q_accum = deterministic ? nullptr : dq_accum.data_ptr();
+    p.grad_q_stride = Strides4{Hq * L * E, L * E, E, 1};  // grad_q and dq_accum, contiguous
+    p.grad_k_stride = strides_of(dk_heads);
+    p.grad_v_stride = strides_of(dv_heads);
     const simt::Stream stream = current_stream(query);
     dispatch_device_type(query.scalar_type(), "attention_backward", [&](auto elem) {
       using T = decltype(elem);

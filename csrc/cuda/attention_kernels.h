@@ -15,7 +15,7 @@
 //   bwd_dot      D = rowsum(dO * O), one warp per row.
 //   backward     grid (B * Hq, key blocks). K/V tile kept, dK/dV accumulated
 //                in registers over the query tiles; dQ added atomically into an
-//                accumulation-type buffer (B, Hq, L, E), or left to
+//                accumulation-type buffer laid out as grad_q, or left to
 //   bwd_dq       grid (B * Hq, query blocks): dQ recomputed per query block
 //                without atomics (deterministic mode).
 //
@@ -174,8 +174,9 @@ struct DropoutKey {
 MHA_DEVICE DropoutKey dropout_key(const DropoutParams& d) {
   return d.enabled() ? DropoutKey{d.seed_value(), d.offset_value()} : DropoutKey{};
 }
+// the row's draws are those of its lse entry's index, as on the CPU
 MHA_DEVICE uint64_t dropout_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i) {
-  return static_cast<uint64_t>((b * p.heads_q + h) * p.len_q + i);
+  return static_cast<uint64_t>(p.lse_index(b, h, i));
 }
 MHA_DEVICE bool dropout_keep(const DropoutParams& d, DropoutKey key, uint64_t row, int64_t j) {
   const Philox4 r = philox4x32_10(key.seed, row, key.offset + static_cast<uint64_t>(j >> 2));
@@ -197,7 +198,7 @@ MHA_DEVICE A row_max4(A x) {
 // ---------------------------------------------------------------------------
 // Forward. Shared: Q (kBlockM x kLd), K and V (kBlockN x kLd), P (kBlockM x kLdP).
 template <typename T, int kHeadDim>
-MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams p) {
+MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   using A = typename AccOf<T>::type;
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kM = Cfg::kFwdBlockM, kN = Cfg::kFwdBlockN, kLd = Cfg::kLd, kLdP = kN + Cfg::kPad;
@@ -208,9 +209,11 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams p) {
   T* p_s = v_s + kN * kLd;
 
   const int tid = static_cast<int>(thread_idx().x), lane = tid % kWarpSize, warp = tid / kWarpSize;
-  const int64_t bh = block_idx().x, b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
+  const int64_t bh = block_idx().x, b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
+  const AttentionFwdParams p = sequence_params<T, A>(params, b);  // params itself unless varlen
   const int64_t i0 = static_cast<int64_t>(block_idx().y) * kM;
   const int64_t L = p.len_q, S = p.len_kv;
+  if (i0 >= L) return;  // a block past a shorter sequence's rows (varlen)
   const A rescale = static_cast<A>(p.dropout.rescale);
   const DropoutKey key = dropout_key(p.dropout);
 
@@ -299,7 +302,7 @@ MHA_UNROLL
       if (i < L && c < p.head_dim_v) out[i * p.out_stride.row + c * p.out_stride.col] = to_elem<T>(o[t][e] * inv[e / 2]);
     }
   if (lane % 4 == 0) {
-    A* lse = static_cast<A*>(p.lse) + bh * L;
+    A* lse = static_cast<A*>(p.lse) + p.lse_index(b, h, 0);
 MHA_UNROLL
     for (int r = 0; r < 2; ++r) {
       const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, 2 * r);
@@ -358,11 +361,12 @@ MHA_DEVICE A row_score(const AttentionFwdParams& p, int64_t b, int64_t h, int64_
 // rows, one at a time.
 constexpr int kDotRows = 16;
 template <typename T>
-MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams p) {
+MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams params) {
   using A = typename AccOf<T>::type;
   const int lane = static_cast<int>(thread_idx().x) % kWarpSize, warp = static_cast<int>(thread_idx().x) / kWarpSize;
   const int warps = static_cast<int>(block_dim().x) / kWarpSize;
-  const int64_t bh = block_idx().x, b = bh / p.heads_q, h = bh % p.heads_q;
+  const int64_t bh = block_idx().x, b = bh / params.heads_q, h = bh % params.heads_q;
+  const AttentionBwdParams p = sequence_params<T, A>(params, b);
   for (int r = warp; r < kDotRows; r += warps) {
     const int64_t i = static_cast<int64_t>(block_idx().y) * kDotRows + r;
     const T* go = as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h + i * p.grad_out_stride.row;
@@ -373,7 +377,7 @@ MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams p) {
         sum += static_cast<A>(to_float(go[e * p.grad_out_stride.col])) * static_cast<A>(to_float(o[e * p.out_stride.col]));
     for (int m = 16; m > 0; m /= 2) sum += shfl_xor(sum, m);
     if (i >= p.len_q) continue;  // the same for the whole warp
-    const A lse = static_cast<const A*>(p.lse)[bh * p.len_q + i];
+    const A lse = static_cast<const A*>(p.lse)[p.lse_index(b, h, i)];
     A shift = lse, log_norm = A(0);
     if (lse_needs_exact_stats(lse)) {
       A mx = A(-INFINITY), l = A(0);
@@ -386,9 +390,9 @@ MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams p) {
       log_norm = l > A(0) ? flog(l) : A(0);
     }
     if (lane == 0) {
-      static_cast<A*>(p.row_dot)[bh * p.len_q + i] = sum;
-      static_cast<A*>(p.row_shift)[bh * p.len_q + i] = shift;
-      static_cast<A*>(p.row_log_norm)[bh * p.len_q + i] = log_norm;
+      static_cast<A*>(p.row_dot)[p.lse_index(b, h, i)] = sum;
+      static_cast<A*>(p.row_shift)[p.lse_index(b, h, i)] = shift;
+      static_cast<A*>(p.row_log_norm)[p.lse_index(b, h, i)] = log_norm;
     }
   }
 }
@@ -398,7 +402,7 @@ MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams p) {
 // rows 16 (w % kRowWarps) .. of the block and the head-dim columns
 // [c_base, c_base + kCols) for dK, dV and dQ.
 template <typename T, int kHeadDim>
-MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams p) {
+MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   using A = typename AccOf<T>::type;
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = kB + Cfg::kPad;
@@ -416,10 +420,12 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams p) {
   const int tid = static_cast<int>(thread_idx().x), lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int row0 = (warp % kRowWarps) * 16, c_base = (warp / kRowWarps) * kCols;
   const bool writer = c_base == 0;  // computes P^T and dS^T of its rows into t_s
+  const int64_t bh = block_idx().x, b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
+  const AttentionBwdParams p = sequence_params<T, A>(params, b);  // params itself unless varlen
   const DropoutKey key = dropout_key(p.dropout);
-  const int64_t bh = block_idx().x, b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
   const int64_t j0 = static_cast<int64_t>(block_idx().y) * kB;
   const int64_t L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
+  if (j0 >= S) return;  // a block past a shorter sequence's keys (varlen)
 
   load_tile(k_s, kLd, kB, kHeadDim, as<T>(p.k) + b * p.k_stride.b + hk * p.k_stride.h, p.k_stride.row,
             p.k_stride.col, j0, S, E);
@@ -427,10 +433,13 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams p) {
             p.v_stride.col, j0, S, Ev);
   const T* q_g = as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h;
   const T* do_g = as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h;
-  const A* shift_g = static_cast<const A*>(p.row_shift) + bh * L;
-  const A* norm_g = static_cast<const A*>(p.row_log_norm) + bh * L;
-  const A* d_g = static_cast<const A*>(p.row_dot) + bh * L;
-  A* dq_g = static_cast<A*>(p.grad_q_accum);
+  const A* shift_g = static_cast<const A*>(p.row_shift) + p.lse_index(b, h, 0);
+  const A* norm_g = static_cast<const A*>(p.row_log_norm) + p.lse_index(b, h, 0);
+  const A* d_g = static_cast<const A*>(p.row_dot) + p.lse_index(b, h, 0);
+  // dQ accumulator of the head (grad_q's strides), or null
+  A* dq_g = p.grad_q_accum == nullptr
+                ? nullptr
+                : static_cast<A*>(p.grad_q_accum) + b * p.grad_q_stride.b + h * p.grad_q_stride.h;
   // The warps sharing rows exchange P^T / dS^T through t_s: a block barrier
   // when there are several, a warp barrier otherwise.
   auto sync_tile = [] {
@@ -505,23 +514,23 @@ MHA_UNROLL
             const int64_t i = i0 + row0 + MmaLayout::c_row(lane, e);
             const int c = c0 + 8 * t + MmaLayout::c_col(lane, e);
             if (i < L && c < E)
-              atomic_add(dq_g + (bh * L + i) * E + c, dqa[t][e] * static_cast<A>(p.scale));
+              atomic_add(dq_g + i * p.grad_q_stride.row + c, dqa[t][e] * static_cast<A>(p.scale));
           }
       }
     }
   }
 
   // per query head; the host sums GQA groups
-  A* dk_g = static_cast<A*>(p.grad_k) + bh * S * E;
-  A* dv_g = static_cast<A*>(p.grad_v) + bh * S * Ev;
+  A* dk_g = static_cast<A*>(p.grad_k) + b * p.grad_k_stride.b + h * p.grad_k_stride.h;
+  A* dv_g = static_cast<A*>(p.grad_v) + b * p.grad_v_stride.b + h * p.grad_v_stride.h;
 MHA_UNROLL
   for (int t = 0; t < kCT; ++t)
 MHA_UNROLL
     for (int e = 0; e < 4; ++e) {
       const int64_t j = j0 + row0 + MmaLayout::c_row(lane, e);
       const int c = c_base + 8 * t + MmaLayout::c_col(lane, e);
-      if (j < S && c < E) dk_g[j * E + c] = dk[t][e] * static_cast<A>(p.scale);
-      if (j < S && c < Ev) dv_g[j * Ev + c] = dv[t][e];
+      if (j < S && c < E) dk_g[j * p.grad_k_stride.row + c] = dk[t][e] * static_cast<A>(p.scale);
+      if (j < S && c < Ev) dv_g[j * p.grad_v_stride.row + c] = dv[t][e];
     }
 }
 
@@ -529,7 +538,7 @@ MHA_UNROLL
 // streamed; warps split rows and head-dim columns as in the key-block kernel.
 // Shared: Q, dO, K, V (kB x kLd), dS (kB x kLdP).
 template <typename T, int kHeadDim>
-MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams p) {
+MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams params) {
   using A = typename AccOf<T>::type;
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = kB + Cfg::kPad;
@@ -543,9 +552,11 @@ MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams p) {
 
   const int tid = static_cast<int>(thread_idx().x), lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int row0 = (warp % kRowWarps) * 16, c_base = (warp / kRowWarps) * kCols;
-  const int64_t bh = block_idx().x, b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group_size();
+  const int64_t bh = block_idx().x, b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
+  const AttentionBwdParams p = sequence_params<T, A>(params, b);  // params itself unless varlen
   const int64_t i0 = static_cast<int64_t>(block_idx().y) * kB;
   const int64_t L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
+  if (i0 >= L) return;  // a block past a shorter sequence's rows (varlen)
 
   load_tile(q_s, kLd, kB, kHeadDim, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row,
             p.q_stride.col, i0, L, E);
@@ -557,9 +568,9 @@ MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams p) {
 MHA_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int64_t i = i0 + row0 + MmaLayout::c_row(lane, 2 * r);
-    shift[r] = i < L ? static_cast<const A*>(p.row_shift)[bh * L + i] : A(-INFINITY);
-    norm[r] = i < L ? static_cast<const A*>(p.row_log_norm)[bh * L + i] : A(0);
-    dd[r] = i < L ? static_cast<const A*>(p.row_dot)[bh * L + i] : A(0);
+    shift[r] = i < L ? static_cast<const A*>(p.row_shift)[p.lse_index(b, h, i)] : A(-INFINITY);
+    norm[r] = i < L ? static_cast<const A*>(p.row_log_norm)[p.lse_index(b, h, i)] : A(0);
+    dd[r] = i < L ? static_cast<const A*>(p.row_dot)[p.lse_index(b, h, i)] : A(0);
   }
   const bool writer = c_base == 0;
   const DropoutKey key = dropout_key(p.dropout);
@@ -598,14 +609,14 @@ MHA_UNROLL
     warp_mma<T>(dq, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{k_s + c_base, kLd, 1}, kB, lane);  // dQ += dS K
   }
 
-  T* dq_g = static_cast<T*>(p.grad_q) + bh * L * E;
+  T* dq_g = static_cast<T*>(p.grad_q) + b * p.grad_q_stride.b + h * p.grad_q_stride.h;
 MHA_UNROLL
   for (int t = 0; t < kCT; ++t)
 MHA_UNROLL
     for (int e = 0; e < 4; ++e) {
       const int64_t i = i0 + row0 + MmaLayout::c_row(lane, e);
       const int c = c_base + 8 * t + MmaLayout::c_col(lane, e);
-      if (i < L && c < E) dq_g[i * E + c] = to_elem<T>(dq[t][e] * static_cast<A>(p.scale));
+      if (i < L && c < E) dq_g[i * p.grad_q_stride.row + c] = to_elem<T>(dq[t][e] * static_cast<A>(p.scale));
     }
 }
 

@@ -1,0 +1,141 @@
+"""Variable-length batches: sequences whose lengths are uniform in 25-100% of
+the longest, run packed (mha_ext.varlen_attention, no work on padding)
+against the padded batch with a key padding mask (mha_ext's dense op and
+F.scaled_dot_product_attention), and mha_ext.MultiheadAttention (which packs
+a bool key_padding_mask itself) against torch.nn.MultiheadAttention. One
+process, interleaved, medians. Peak memory of the attention op is shown too:
+the fused paths never hold an L x S matrix per head.
+
+    python bench/bench_varlen.py            # a few minutes
+    python bench/bench_varlen.py --quick
+
+Writes markdown to bench/out/varlen.md and prints it.
+"""
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import mha_ext  # noqa: E402
+from bench_attention import cpu_name, geomean, median_times, write_report  # noqa: E402
+
+
+def lengths_for(B, L, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lo = max(1, L // 4)
+    return torch.randint(lo, L + 1, (B,), generator=g).tolist()
+
+
+def cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def op_fns(B, H, L, D, dtype, backward, seed=0):
+    """(packed mha_ext, padded mha_ext, padded torch SDPA) on the same data."""
+    lens = lengths_for(B, L, seed)
+    pad = torch.arange(L)[None, :] >= torch.tensor(lens)[:, None]  # (B, L) True = padding
+    x = [torch.randn(B, L, H, D, dtype=dtype) for _ in range(3)]
+    keep = ~pad
+    packed = [t[keep].clone().requires_grad_(backward) for t in x]  # (total, H, D)
+    dense = [t.transpose(1, 2).clone().requires_grad_(backward) for t in x]  # (B, H, L, D)
+    mask = keep[:, None, None, :]  # (B, 1, 1, L): True = may attend
+    c = cu(lens)
+
+    def run(fn):
+        def go():
+            out = fn()
+            if backward:
+                out.sum().backward()
+        return go
+
+    fns = [run(lambda: mha_ext.varlen_attention(*packed, c, c, L, L)),
+           run(lambda: mha_ext.scaled_dot_product_attention(*dense, attn_mask=mask)),
+           run(lambda: F.scaled_dot_product_attention(*dense, attn_mask=mask))]
+    return fns, sum(lens) / (B * L)
+
+
+def module_fns(B, L, E, H, dtype, backward, seed=0):
+    lens = lengths_for(B, L, seed)
+    pad = torch.arange(L)[None, :] >= torch.tensor(lens)[:, None]
+    ours = mha_ext.MultiheadAttention(E, H, batch_first=True).to(dtype)
+    theirs = torch.nn.MultiheadAttention(E, H, batch_first=True).to(dtype)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(B, L, E, dtype=dtype, requires_grad=backward)
+
+    def run(m):
+        def go():
+            out = m(x, x, x, key_padding_mask=pad, need_weights=False)[0]
+            if backward:
+                out.sum().backward()
+        return go
+
+    return [run(ours), run(theirs)]
+
+
+def peak_bytes(fn):
+    """Peak of the CPU allocator's bytes while fn runs (torch's profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.key_averages() if e.cpu_memory_usage > 0]
+    return max([e.cpu_memory_usage for e in events] + [0])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args()
+    op_shapes = [(16, 12, 512, 64), (8, 12, 2048, 64)] if not args.quick else [(16, 12, 256, 64)]
+    lines = [f"# Variable-length batches: packed vs padded, {datetime.date.today()}", "",
+             f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, mha_ext CPU path "
+             f"{mha_ext.ops.cpu_isa()}; `python bench/bench_varlen.py {' '.join(sys.argv[1:])}`; medians of "
+             f"{args.reps} interleaved runs. Lengths uniform in 25-100% of the longest (L); `fill` = real rows / "
+             "padded rows. Packed: mha_ext.varlen_attention on the real rows only; padded: the (B, H, L, D) batch "
+             "with a (B, 1, 1, L) bool key padding mask.", "",
+             "## The op", "",
+             "| dtype | pass | B, H, L, D | fill | packed ms | padded mha_ext ms | padded SDPA ms "
+             "| padded mha_ext / packed | SDPA / packed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    ratios = []
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        for backward in (False, True):
+            for B, H, L, D in op_shapes:
+                fns, fill = op_fns(B, H, L, D, dtype, backward)
+                t = median_times(fns, args.reps)
+                ratios.append(t[2] / t[0])
+                lines.append(f"| {name} | {'fwd+bwd' if backward else 'fwd'} | {B}, {H}, {L}, {D} | {fill:.2f} | "
+                             f"{t[0] * 1e3:.2f} | {t[1] * 1e3:.2f} | {t[2] * 1e3:.2f} | {t[1] / t[0]:.2f} | "
+                             f"{t[2] / t[0]:.2f} |")
+    lines += ["", f"Geomean SDPA / packed: {geomean(ratios):.2f}.", "",
+              "## MultiheadAttention with a bool key_padding_mask", "",
+              "mha_ext.MultiheadAttention packs the unpadded keys (varlen) when key_padding_mask is bool and "
+              "there is no attn_mask; torch.nn.MultiheadAttention masks them. need_weights=False.", "",
+              "| dtype | pass | B, L, E, H | torch ms | mha_ext ms | torch / mha_ext |", "|---|---|---|---|---|---|"]
+    mod_shapes = [(16, 512, 768, 12)] if not args.quick else [(8, 256, 256, 4)]
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        for backward in (False, True):
+            for B, L, E, H in mod_shapes:
+                fns = module_fns(B, L, E, H, dtype, backward)
+                t = median_times(fns, args.reps)
+                lines.append(f"| {name} | {'fwd+bwd' if backward else 'fwd'} | {B}, {L}, {E}, {H} | "
+                             f"{t[1] * 1e3:.2f} | {t[0] * 1e3:.2f} | {t[1] / t[0]:.2f} |")
+    B, H, L, D = op_shapes[-1]
+    fns, _ = op_fns(B, H, L, D, torch.float32, False)
+    peaks = [peak_bytes(f) for f in fns]
+    lines += ["", f"Peak bytes allocated by one float32 forward at B, H, L, D = {B}, {H}, {L}, {D} (profiler): "
+              f"packed {peaks[0] / 2**20:.1f} MiB, padded mha_ext {peaks[1] / 2**20:.1f} MiB, padded SDPA "
+              f"{peaks[2] / 2**20:.1f} MiB; one L x L float32 score matrix per head would be "
+              f"{B * H * L * L * 4 / 2**20:.0f} MiB."]
+    write_report("varlen.md", lines)
+
+
+if __name__ == "__main__":
+    main()
