@@ -28,8 +28,128 @@ void dropout_keep_row_cpu(const DropoutParams& d, uint64_t row, int64_t j0, int6
   if (t < n) dropout_keep_row(d.seed, d.offset, row, j0 + t, n - t, d.drop_threshold, keep + t);
 }
 
+// ---------------------------------------------------------------------------
+// Decode: few query rows per key/value head (a KV cache step, G L <= kDecodeRows
+// rows for the G query heads of a GQA group), dense, without dropout. Memory
+// bound: the work is reading K and V, so each is read once for all R = G L
+// rows of its group, in place (float32 with unit column stride) or widened per
+// tile, never packed as K^T. Work items are (batch, key/value head, key
+// split): S = Q K^T as a dot product per (row, key) (cpu::dot_rows: each key
+// row is loaded once for the rows), the online softmax per row (transform_row
+// as in the dense kernel), O += P V. When batch x key/value heads gives fewer than
+// kDecodeItems items the keys split into runs of whole tiles (flash-decoding);
+// each split leaves its rows' max, sum and unnormalised O, merged in split
+// order. The split count depends on the shape alone, so results do not
+// depend on the thread count.
+constexpr int64_t kDecodeRows = 16;
+constexpr int64_t kDecodeItems = 64;  // enough work items for 64 threads
+
+bool use_decode_kernel(const AttentionFwdParams& p) {
+  return !p.dropout.enabled() && p.cu_seqlens_q == nullptr && p.len_q * p.group_size() <= kDecodeRows;
+}
+
+template <typename scalar_t>
+void attention_decode_kernel(const AttentionFwdParams& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Ops = RowOps<acc_t>;
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  const int64_t Hkv = p.heads_kv, G = p.group_size(), L = p.len_q, R = G * L;
+  const int64_t E = p.head_dim, Ev = p.head_dim_v;
+  const acc_t unit = Ops::kUnitsPerNat;
+  const acc_t scale = static_cast<acc_t>(p.scale) * unit;
+  const scalar_t* q = static_cast<const scalar_t*>(p.q);
+  const scalar_t* k = static_cast<const scalar_t*>(p.k);
+  const scalar_t* v = static_cast<const scalar_t*>(p.v);
+  // the key tiles some row may see, and the splits: runs of whole tiles
+  const int64_t kv_begin = visible_kv_begin(p, 0) / kBlockN * kBlockN, kv_end = visible_kv_end(p, 0, L);
+  const int64_t tiles = kv_end > kv_begin ? (kv_end - kv_begin + kBlockN - 1) / kBlockN : 0;
+  const int64_t heads = p.batch * Hkv;
+  const int64_t want = std::min(std::max<int64_t>((kDecodeItems + heads - 1) / heads, 1), std::max<int64_t>(tiles, 1));
+  const int64_t split_tiles = std::max<int64_t>((tiles + want - 1) / want, 1);
+  const int64_t n_splits = std::max<int64_t>((tiles + split_tiles - 1) / split_tiles, 1);
+  Buffer<acc_t> part_o(heads * n_splits * R * Ev), part_m(heads * n_splits * R), part_l(heads * n_splits * R);
+  at::parallel_for(0, heads * n_splits, 1, [&](int64_t begin, int64_t end) {
+    Buffer<acc_t> qr(R * E), s_buf(R * kBlockN);
+    Buffer<acc_t> k_buf(kBlockN * E), v_buf(kBlockN * Ev);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t split = w % n_splits, bk = w / n_splits, b = bk / Hkv, hk = bk % Hkv;
+      for (int64_t r = 0; r < R; ++r) {  // row r = g L + i: query row i of head hk G + g, scaled
+        const scalar_t* src = q + b * p.q_stride.b + (hk * G + r / L) * p.q_stride.h + (r % L) * p.q_stride.row;
+        for (int64_t e = 0; e < E; ++e) qr[r * E + e] = static_cast<acc_t>(src[e * p.q_stride.col]) * scale;
+      }
+      acc_t* o = part_o.data() + w * R * Ev;
+      acc_t* m = part_m.data() + w * R;
+      acc_t* l = part_l.data() + w * R;
+      std::fill(o, o + R * Ev, acc_t(0));
+      std::fill(m, m + R, kNegInf);
+      std::fill(l, l + R, acc_t(0));
+      const int64_t j_lo = kv_begin + split * split_tiles * kBlockN;
+      const int64_t j_hi = std::min(kv_end, j_lo + split_tiles * kBlockN);
+      for (int64_t j0 = j_lo; j0 < j_hi; j0 += kBlockN) {
+        const int64_t n = std::min(kBlockN, j_hi - j0);
+        int64_t ldk = 0, ldv = 0;
+        const acc_t* kr = load_tile(k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row, p.k_stride.row,
+                                    p.k_stride.col, n, E, k_buf.data(), &ldk);
+        const acc_t* vr = load_tile(v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row, p.v_stride.row,
+                                    p.v_stride.col, n, Ev, v_buf.data(), &ldv);
+        acc_t* s = s_buf.data();
+        if constexpr (std::is_same_v<acc_t, float>) {  // S = Q K^T, a dot product per (row, key)
+          cpu::dot_rows(qr.data(), R, E, kr, ldk, n, s, n);
+        } else {
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t c = 0; c < n; ++c) s[r * n + c] = E > 0 ? Ops::dot(qr.data() + r * E, kr + c * ldk, E) : 0.0;
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          acc_t* srow = s + r * n;
+          transform_row<scalar_t>(p, b, hk * G + r / L, r % L, j0, n, unit, srow);
+          acc_t tile_max = Ops::max(srow, n);
+          if (tile_max == kNegInf && has_nan(srow, n)) tile_max = std::numeric_limits<acc_t>::quiet_NaN();
+          const acc_t new_max = nan_max(m[r], tile_max);
+          if (new_max == kNegInf) {  // every key so far is hidden: P = 0
+            std::fill(srow, srow + n, acc_t(0));
+            continue;
+          }
+          const acc_t alpha = m[r] == kNegInf ? acc_t(0) : Ops::expb(m[r] - new_max);
+          l[r] = l[r] * alpha + Ops::exp_sub_sum(srow, n, acc_t(1), new_max);
+          m[r] = new_max;
+          if (alpha != acc_t(1)) Ops::scale(o + r * Ev, Ev, alpha);
+        }
+        cpu::gemm(R, Ev, n, acc_t(1), s, n, 1, vr, ldv, acc_t(1), o, Ev);  // O += P V
+      }
+    }
+  });
+  // Merge the splits of each row in split order: O = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s.
+  scalar_t* out = static_cast<scalar_t*>(p.out);
+  acc_t* lse = static_cast<acc_t*>(p.lse);
+  at::parallel_for(0, heads * R, 16, [&](int64_t begin, int64_t end) {
+    Buffer<acc_t> acc(Ev);
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t bk = x / R, r = x % R, b = bk / Hkv, h = bk % Hkv * G + r / L, i = r % L;
+      acc_t mx = kNegInf;
+      for (int64_t sp = 0; sp < n_splits; ++sp) mx = nan_max(mx, part_m[(bk * n_splits + sp) * R + r]);
+      acc_t total = 0;
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t sp = 0; sp < n_splits; ++sp) {
+        const int64_t w = bk * n_splits + sp;
+        const acc_t ms = part_m[w * R + r];
+        if (ms == kNegInf) continue;  // a split whose keys the row may not see
+        const acc_t wt = Ops::expb(ms - mx);
+        total += part_l[w * R + r] * wt;
+        const acc_t* os = part_o.data() + (w * R + r) * Ev;
+        for (int64_t e = 0; e < Ev; ++e) acc[e] += os[e] * wt;
+      }
+      const acc_t inv = total > acc_t(0) ? acc_t(1) / total : acc_t(0);
+      scalar_t* orow = out + b * p.out_stride.b + h * p.out_stride.h + i * p.out_stride.row;
+      for (int64_t e = 0; e < Ev; ++e) orow[e * p.out_stride.col] = static_cast<scalar_t>(acc[e] * inv);
+      // -inf for a row that may see no key; NaN stays NaN (as the dense kernel)
+      lse[p.lse_index(b, h, i)] = total > acc_t(0) ? (mx + Ops::logb(total)) / unit : (total == total ? kNegInf : total);
+    }
+  });
+}
+
 template <typename scalar_t>
 void attention_fwd_kernel(const AttentionFwdParams& p) {
+  if (use_decode_kernel(p)) return attention_decode_kernel<scalar_t>(p);
   using acc_t = at::opmath_type<scalar_t>;
   using Ops = RowOps<acc_t>;
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();

@@ -6,18 +6,7 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define MHA_X86 1
-// GCC 12's intrinsic headers build _mm*_undefined_* values by self-assignment,
-// which -Wall reports as uninitialised wherever they are inlined.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#else
-#define MHA_X86 0
-#endif
+#include "x86_intrinsics.h"
 
 namespace mha_ext {
 namespace cpu {

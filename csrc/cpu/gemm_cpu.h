@@ -77,5 +77,13 @@ void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* 
 // product and difference in one rounding); returns the sum
 float exp2_sub_sum(float* x, int64_t n, float mul, float sub);
 
+// rows_cpu.cpp, for the decode kernel:
+// s[r * lds + c] = dot(q row r, key row c) for R query rows (R x E, row-major)
+// and n key rows (row stride ldk)
+void dot_rows(const float* q, int64_t R, int64_t E, const float* k, int64_t ldk, int64_t n, float* s, int64_t lds);
+// dst[i] = float of the bfloat16 / float16 bits src[i] (exact)
+void widen_bf16(const uint16_t* src, int64_t n, float* dst);
+void widen_half(const uint16_t* src, int64_t n, float* dst);
+
 }  // namespace cpu
 }  // namespace mha_ext

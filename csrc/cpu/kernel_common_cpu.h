@@ -214,6 +214,13 @@ const acc_t* load_tile(const scalar_t* base, int64_t row_stride, int64_t col_str
   for (int64_t r = 0; r < rows; ++r) {
     const scalar_t* src = base + r * row_stride;
     acc_t* dst = buf + r * cols;
+    if constexpr (std::is_same_v<acc_t, float> && sizeof(scalar_t) == 2) {  // bfloat16, float16: vector widening
+      if (col_stride == 1) {
+        const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+        std::is_same_v<scalar_t, c10::BFloat16> ? cpu::widen_bf16(bits, cols, dst) : cpu::widen_half(bits, cols, dst);
+        continue;
+      }
+    }
     if (col_stride == 1) {
       for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<acc_t>(src[c]);
     } else {
