@@ -121,6 +121,9 @@ struct AttentionFwdParams {
   // one sequence at a time through sequence_params below. Null: dense.
   const int32_t* cu_seqlens_q = nullptr;  // (B + 1)
   const int32_t* cu_seqlens_k = nullptr;  // (B + 1)
+  // A KV cache (kvcache_attention): batch b attends to the first seqlens_k[b]
+  // keys of its cache rows; len_kv is the largest. Null: every batch has len_kv.
+  const int32_t* seqlens_k = nullptr;  // (B)
 
   // query head h reads key/value head h / group_size
   MHA_HOST_DEVICE int64_t group_size() const { return heads_q / heads_kv; }
@@ -164,11 +167,17 @@ struct AttentionBwdParams : AttentionFwdParams {
 };
 
 // The params of sequence b of a varlen batch alone: pointers moved to its
-// first rows, its own lengths and diagonal. The batch strides stay 0, so a
+// first rows, its own lengths and diagonal (of batch b of a KV cache: its key
+// count and diagonal). The batch strides stay 0, so a
 // kernel indexes with b as for a dense batch. Dense params come back as they
 // are. T: the inputs' element type, A: the accumulation type (grad_k, grad_v).
 template <typename T, typename A, typename P>
 MHA_HOST_DEVICE P sequence_params(P p, int64_t b) {
+  if (p.seqlens_k != nullptr) {  // a KV cache: batch b's own key count, the same rows
+    p.len_kv = p.seqlens_k[b];
+    p.variant.diag_offset = p.variant.bottom_right ? p.len_kv - p.len_q : 0;
+    return p;
+  }
   if (p.cu_seqlens_q == nullptr) return p;
   const int64_t q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
   p.len_q = p.cu_seqlens_q[b + 1] - q0;

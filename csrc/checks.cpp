@@ -200,6 +200,60 @@ VarlenShape check_varlen_inputs(const at::Tensor& query, const at::Tensor& key, 
   return s;
 }
 
+namespace {
+
+void check_sizes(const char* name, const at::Tensor& t, at::IntArrayRef want, const char* what) {
+  TORCH_CHECK(t.sizes() == want, name, " must have shape ", what, " = ", format_shape(want), ", got ",
+              format_shape(t.sizes()));
+}
+
+}  // namespace
+
+KVCacheShape check_kvcache_inputs(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
+                                  const std::optional<at::Tensor>& v_new) {
+  check_qkv_common("query", query, query, query.dim() == 4, "4 dims (batch, seqlen, heads, head_dim)");
+  check_qkv_common("k_cache", k_cache, query, k_cache.dim() == 4, "4 dims (batch, max_seqlen, heads, head_dim)");
+  check_qkv_common("v_cache", v_cache, query, v_cache.dim() == 4, "4 dims (batch, max_seqlen, heads, head_dim)");
+  KVCacheShape s;
+  s.batch = query.size(0);
+  s.batch_sizes = {s.batch};
+  s.len_q = query.size(1);
+  s.heads_q = query.size(2);
+  s.head_dim = query.size(3);
+  s.len_cache = k_cache.size(1);
+  s.heads_kv = k_cache.size(2);
+  s.head_dim_v = v_cache.size(3);
+  check_sizes("k_cache", k_cache, {s.batch, s.len_cache, s.heads_kv, s.head_dim}, "(B, S_max, Hkv, E)");
+  check_sizes("v_cache", v_cache, {s.batch, s.len_cache, s.heads_kv, s.head_dim_v}, "(B, S_max, Hkv, Ev)");
+  TORCH_CHECK(s.heads_q == s.heads_kv || (s.heads_kv > 0 && s.heads_q % s.heads_kv == 0), "query heads (",
+              s.heads_q, ") must be a multiple of key/value heads (", s.heads_kv, ")");
+  TORCH_CHECK(cache_seqlens.scalar_type() == at::kInt && cache_seqlens.dim() == 1 &&
+                  cache_seqlens.size(0) == s.batch,
+              "cache_seqlens must be an int32 tensor of shape (B) = (", s.batch, "), got ",
+              dtype_name(cache_seqlens.scalar_type()), " of shape ", format_shape(cache_seqlens.sizes()));
+  TORCH_CHECK(cache_seqlens.device() == query.device(), "cache_seqlens must be on the same device as query (",
+              query.device().str(), "), got ", cache_seqlens.device().str());
+  TORCH_CHECK(k_new.has_value() == v_new.has_value(), "k_new and v_new must be given together, got ",
+              k_new.has_value() ? "k_new only" : "v_new only");
+  if (k_new.has_value()) {
+    check_qkv_common("k_new", *k_new, query, k_new->dim() == 4, "4 dims (batch, seqlen, heads, head_dim)");
+    check_qkv_common("v_new", *v_new, query, v_new->dim() == 4, "4 dims (batch, seqlen, heads, head_dim)");
+    s.len_new = k_new->size(1);
+    check_sizes("k_new", *k_new, {s.batch, s.len_new, s.heads_kv, s.head_dim}, "(B, L_new, Hkv, E)");
+    check_sizes("v_new", *v_new, {s.batch, s.len_new, s.heads_kv, s.head_dim_v}, "(B, L_new, Hkv, Ev)");
+  }
+  const at::Tensor host = cache_seqlens.device().is_cpu() ? cache_seqlens.contiguous() : cache_seqlens.to(at::kCPU);
+  const int32_t* c = host.const_data_ptr<int32_t>();
+  s.len_kv = 0;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    TORCH_CHECK(c[b] >= 0 && c[b] + s.len_new <= s.len_cache, "cache_seqlens[", b, "] must be in [0, ",
+                s.len_cache - s.len_new, "] (S_max = ", s.len_cache, " minus ", s.len_new, " new keys), got ", c[b]);
+    s.len_kv = std::max<int64_t>(s.len_kv, c[b] + s.len_new);
+  }
+  return s;
+}
+
 void check_variant(const AttentionShape& s, const at::Tensor& query, int64_t window_left, int64_t window_right,
                    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   TORCH_CHECK(window_left >= -1, "window_left must be >= -1 (-1: no limit), got ", window_left);

@@ -40,6 +40,21 @@ VarlenShape check_varlen_inputs(const at::Tensor& query, const at::Tensor& key, 
                                 const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                 int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p);
 
+// Sizes of a KV-cache call: len_q = Lq, len_kv = the largest key count
+// (cache_seqlens[b] + len_new), len_cache = S_max, batch_sizes = (B).
+struct KVCacheShape : AttentionShape {
+  int64_t len_cache = 0, len_new = 0;
+};
+
+// query (B, Lq, Hq, E), k_cache (B, S_max, Hkv, E), v_cache (B, S_max, Hkv,
+// Ev), Hq a multiple of Hkv, cache_seqlens int32 (B) on query's device,
+// k_new / v_new (B, L_new, Hkv, E / Ev) or neither; the values of
+// cache_seqlens (read on the host) >= 0 and, with L_new new keys, at most
+// S_max - L_new.
+KVCacheShape check_kvcache_inputs(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
+                                  const std::optional<at::Tensor>& v_new);
+
 // The variant arguments: windows >= -1 (-1: unbounded), softcap finite and
 // >= 0 (0: none), alibi_slopes floating with shape (Hq) or (N..., Hq) on
 // query's device.

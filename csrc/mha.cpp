@@ -47,6 +47,17 @@ TORCH_LIBRARY(mha_ext, m) {
   // Fused backward of `varlen_attention`: the gradients of query, key and value.
   m.def(mha_ext::kVarlenAttentionBackwardSchema);
 
+  // Attention against a preallocated KV cache, FlashAttention's
+  // flash_attn_with_kvcache convention: query (B, Lq, Hq, E), k_cache
+  // (B, S_max, Hkv, E), v_cache (B, S_max, Hkv, Ev), cache_seqlens int32 (B)
+  // keys already cached; k_new / v_new (B, L_new, Hkv, E / Ev), when given,
+  // are written into the caches in place at rows cache_seqlens[b] ..
+  // (nothing is copied or concatenated). Batch b attends to its first
+  // cache_seqlens[b] + L_new keys with the causal alignment, windows and ALiBi
+  // at the bottom-right corner; GQA, softcap, scale. Forward only (inference).
+  // Returns out (B, Lq, Hq, Ev) and logsumexp (B, Hq, Lq).
+  m.def(mha_ext::kKVCacheAttentionSchema);
+
   // The keep mask (True = kept) that `attention` applies for this rng_state
   // and dropout_p, as a bool tensor of `shape` = (N..., H, L, S). For need_weights
   // paths and tests; the fused ops never materialise it.

@@ -32,4 +32,9 @@ inline constexpr const char* kVarlenAttentionBackwardSchema =
     "int window_right=-1, bool bottom_right=True, float softcap=0.0, Tensor? alibi_slopes=None) -> "
     "(Tensor grad_query, Tensor grad_key, Tensor grad_value)";
 
+inline constexpr const char* kKVCacheAttentionSchema =
+    "kvcache_attention(Tensor query, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
+    "Tensor? k_new=None, Tensor? v_new=None, float? scale=None, bool is_causal=False, int window_left=-1, "
+    "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor logsumexp)";
+
 }  // namespace mha_ext

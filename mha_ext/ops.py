@@ -29,22 +29,28 @@ def _check(cond, msg_fn):
         raise RuntimeError(msg_fn())
 
 
-def _check_qkv_tensor(name, t, query):
+def _check_qkv_common(name, t, query, dims_ok, dims_want):
+    """query, key and value (of every op): a supported float type, dims_ok
+    (else dims_want), and key / value query's dtype and device. Returns
+    whether t is not query (the twin of check_qkv_common in csrc/checks.cpp)."""
     _check(
         t.dtype in _FLOATS,
         lambda: f"{name} must be a floating-point tensor (float64, float32, float16 or bfloat16), got {t.dtype}",
     )
-    _check(
-        t.dim() >= 3,
-        lambda: f"{name} must have at least 3 dims (..., heads, seq_len, head_dim), got shape {_fmt(t.shape)}",
-    )
+    _check(dims_ok, lambda: f"{name} must have {dims_want}, got shape {_fmt(t.shape)}")
     if t is query:
-        return
+        return False
     _check(t.dtype == query.dtype, lambda: f"{name} must have the same dtype as query ({query.dtype}), got {t.dtype}")
     _check(
         t.device == query.device,
         lambda: f"{name} must be on the same device as query ({query.device}), got {t.device}",
     )
+    return True
+
+
+def _check_qkv_tensor(name, t, query):
+    if not _check_qkv_common(name, t, query, t.dim() >= 3, "at least 3 dims (..., heads, seq_len, head_dim)"):
+        return
     _check(
         t.dim() == query.dim(),
         lambda: f"{name} must have the same number of dims as query ({query.dim()}), got {t.dim()}",
@@ -522,3 +528,8 @@ torch.library.register_fake("mha_ext::varlen_attention")(_varlen._varlen_fake)
 torch.library.register_fake("mha_ext::varlen_attention_backward")(_varlen._varlen_backward_fake)
 torch.library.register_autograd("mha_ext::varlen_attention", _varlen._backward, setup_context=_varlen._setup_context)
 torch.library.register_autograd("mha_ext::varlen_attention_backward", _varlen._double_backward)
+
+# The KV-cache op (mha_ext/kvcache.py): forward only, no autograd.
+from . import kvcache as _kvcache  # noqa: E402
+
+torch.library.register_fake("mha_ext::kvcache_attention")(_kvcache._kvcache_fake)

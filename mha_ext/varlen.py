@@ -12,25 +12,14 @@ from typing import Optional
 
 import torch
 
-from .ops import (_FLOATS, _acc_dtype, _check, _check_same_shape, _composite_attention, _fmt, _variant_args,
+from .ops import (_acc_dtype, _check, _check_qkv_common, _check_same_shape, _composite_attention, _fmt, _variant_args,
                   check_dropout_p, check_rng_state, check_variant, new_rng_state)
 
 __all__ = ["varlen_attention", "check_varlen_inputs"]
 
 
 def _check_packed(name, t, query):
-    _check(
-        t.dtype in _FLOATS,
-        lambda: f"{name} must be a floating-point tensor (float64, float32, float16 or bfloat16), got {t.dtype}",
-    )
-    _check(t.dim() == 3, lambda: f"{name} must have 3 dims (total_seqlen, heads, head_dim), got shape {_fmt(t.shape)}")
-    if t is query:
-        return
-    _check(t.dtype == query.dtype, lambda: f"{name} must have the same dtype as query ({query.dtype}), got {t.dtype}")
-    _check(
-        t.device == query.device,
-        lambda: f"{name} must be on the same device as query ({query.device}), got {t.device}",
-    )
+    _check_qkv_common(name, t, query, t.dim() == 3, "3 dims (total_seqlen, heads, head_dim)")
 
 
 def check_varlen_inputs(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p):

@@ -172,6 +172,19 @@ CASES = {
         "mha_ext.varlen_attention(t(10, 2, 8), t(12, 2, 8), t(12, 2, 8), torch.tensor([0, 4, 10], dtype=torch.int32), "
         "torch.tensor([0, 12], dtype=torch.int32), 6, 12)",
         R("RuntimeError", r"cu_seqlens_k must have cu_seqlens_q's shape \(3\), got \(2\)")),
+    # -- KV cache (mha_ext.kvcache_attention): positions past the cache ---
+    "kvcache: cache_seqlens past the cache": (
+        "mha_ext.kvcache_attention(t(2, 1, 4, 8), t(2, 16, 4, 8), t(2, 16, 4, 8), "
+        "torch.tensor([3, 16], dtype=torch.int32), t(2, 1, 4, 8), t(2, 1, 4, 8))",
+        R("RuntimeError", r"cache_seqlens\[1\] must be in \[0, 15\] \(S_max = 16 minus 1 new keys\), got 16")),
+    "kvcache: huge cache_seqlens": (
+        "mha_ext.kvcache_attention(t(2, 1, 4, 8), t(2, 16, 4, 8), t(2, 16, 4, 8), "
+        "torch.tensor([2**31 - 1, 0], dtype=torch.int32))",
+        R("RuntimeError", r"cache_seqlens\[0\] must be in \[0, 16\]")),
+    "kvcache: v_new alone": (
+        "mha_ext.kvcache_attention(t(2, 1, 4, 8), t(2, 16, 4, 8), t(2, 16, 4, 8), "
+        "torch.tensor([3, 4], dtype=torch.int32), None, t(2, 1, 4, 8))",
+        R("RuntimeError", r"k_new and v_new must be given together, got v_new only")),
     # -- the module -------------------------------------------------------
     "module: embed_dim not divisible by num_heads": ("MHA(10, 3)", R("ValueError", r"embed_dim must be divisible by num_heads")),
     "module: query of the wrong embed_dim": ("m = MHA(8, 2, batch_first=True); x = t(2, 3, 8); m(t(2, 3, 6), x, x)",

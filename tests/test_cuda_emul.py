@@ -62,6 +62,14 @@ class OnCuda:
     def varlen_attention_backward(self, *args):
         return self._call(torch.ops.mha_ext.varlen_attention_backward, 13, args)
 
+    def kvcache_attention(self, q, k_cache, v_cache, *args):
+        # the caches are written in place on the GPU; copied back into the CPU ones
+        kc, vc = k_cache.cuda(), v_cache.cuda()
+        out = self._call(lambda *a: torch.ops.mha_ext.kvcache_attention(a[0], kc, vc, *a[1:]), -1, (q,) + args)
+        k_cache.copy_(kc.cpu())
+        v_cache.copy_(vc.cpu())
+        return out
+
 
 @pytest.fixture(scope="module", params=[
     "emul", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])

@@ -207,6 +207,24 @@ def test_decoder_prefill_and_greedy_generation_match(kind):
         torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
 
 
+def test_decoder_static_cache_generation_matches():
+    # transformers' StaticCache writes each step into preallocated (B, Hkv, S_max, D) tensors itself and
+    # passes them whole, with a mask over the unfilled rows: the backend reads them in place (no copy)
+    ours, ref = _pair("llama")
+    ids, mask = _padded_batch()
+    gen = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+               cache_implementation="static")
+    with torch.no_grad(), CountCalls() as counted:
+        ga = ours.generate(input_ids=ids, attention_mask=mask, **gen)
+    with torch.no_grad():
+        gb = ref.generate(input_ids=ids, attention_mask=mask, **gen)
+    assert counted.calls and all(c[1][2] == counted.calls[0][1][2] for c in counted.calls)  # S_max every step
+    assert counted.calls[-1][0][2] == 1 and all(c[2] for c in counted.calls)
+    assert torch.equal(ga.sequences, gb.sequences)
+    for la, lb in zip(ga.logits, gb.logits):
+        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
 def test_decoder_chunked_prefill_matches_one_shot(kind):
     # query length > 1 against a longer cache (bottom-right causal through the mask)

@@ -60,9 +60,13 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   const scalar_t* q = static_cast<const scalar_t*>(p.q);
   const scalar_t* k = static_cast<const scalar_t*>(p.k);
   const scalar_t* v = static_cast<const scalar_t*>(p.v);
-  // the key tiles some row may see, and the splits: runs of whole tiles
+  // the key tiles some row may see, and the splits: runs of whole tiles (from
+  // the longest key count of a KV cache; a split past a shorter one is empty)
   const int64_t kv_begin = visible_kv_begin(p, 0) / kBlockN * kBlockN, kv_end = visible_kv_end(p, 0, L);
-  const int64_t tiles = kv_end > kv_begin ? (kv_end - kv_begin + kBlockN - 1) / kBlockN : 0;
+  // (with a KV cache one more: a batch's visible keys may start at another
+  // offset within a tile when a window or the bottom-right corner moves them)
+  const int64_t tiles = (kv_end > kv_begin ? (kv_end - kv_begin + kBlockN - 1) / kBlockN : 0) +
+                        (p.seqlens_k != nullptr && p.variant.limits_keys() ? 1 : 0);
   const int64_t heads = p.batch * Hkv;
   const int64_t want = std::min(std::max<int64_t>((kDecodeItems + heads - 1) / heads, 1), std::max<int64_t>(tiles, 1));
   const int64_t split_tiles = std::max<int64_t>((tiles + want - 1) / want, 1);
@@ -73,6 +77,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
     Buffer<acc_t> k_buf(kBlockN * E), v_buf(kBlockN * Ev);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t split = w % n_splits, bk = w / n_splits, b = bk / Hkv, hk = bk % Hkv;
+      const AttentionFwdParams sp = sequence_params<scalar_t, acc_t>(p, b);  // p itself without a KV cache
       for (int64_t r = 0; r < R; ++r) {  // row r = g L + i: query row i of head hk G + g, scaled
         const scalar_t* src = q + b * p.q_stride.b + (hk * G + r / L) * p.q_stride.h + (r % L) * p.q_stride.row;
         for (int64_t e = 0; e < E; ++e) qr[r * E + e] = static_cast<acc_t>(src[e * p.q_stride.col]) * scale;
@@ -83,8 +88,8 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
       std::fill(o, o + R * Ev, acc_t(0));
       std::fill(m, m + R, kNegInf);
       std::fill(l, l + R, acc_t(0));
-      const int64_t j_lo = kv_begin + split * split_tiles * kBlockN;
-      const int64_t j_hi = std::min(kv_end, j_lo + split_tiles * kBlockN);
+      const int64_t j_lo = visible_kv_begin(sp, 0) / kBlockN * kBlockN + split * split_tiles * kBlockN;
+      const int64_t j_hi = std::min(visible_kv_end(sp, 0, L), j_lo + split_tiles * kBlockN);
       for (int64_t j0 = j_lo; j0 < j_hi; j0 += kBlockN) {
         const int64_t n = std::min(kBlockN, j_hi - j0);
         int64_t ldk = 0, ldv = 0;
@@ -101,7 +106,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         }
         for (int64_t r = 0; r < R; ++r) {
           acc_t* srow = s + r * n;
-          transform_row<scalar_t>(p, b, hk * G + r / L, r % L, j0, n, unit, srow);
+          transform_row<scalar_t>(sp, b, hk * G + r / L, r % L, j0, n, unit, srow);
           acc_t tile_max = Ops::max(srow, n);
           if (tile_max == kNegInf && has_nan(srow, n)) tile_max = std::numeric_limits<acc_t>::quiet_NaN();
           const acc_t new_max = nan_max(m[r], tile_max);

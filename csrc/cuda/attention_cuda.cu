@@ -4,6 +4,7 @@
 // translation unit, so every kernel instantiation (launch.h counts them) is
 // compiled once per architecture.
 #include "attention_host.h"
+#include "kvcache_attention_host.h"
 #include "varlen_attention_host.h"
 
 #include <torch/library.h>
@@ -15,6 +16,7 @@ TORCH_LIBRARY_IMPL(mha_ext, CUDA, m) {
   m.impl("attention_backward", &device_host::attention_bwd_device);
   m.impl("varlen_attention", &device_host::varlen_attention_fwd_device);
   m.impl("varlen_attention_backward", &device_host::varlen_attention_bwd_device);
+  m.impl("kvcache_attention", &device_host::kvcache_attention_device);
 }
 
 }  // namespace mha_ext

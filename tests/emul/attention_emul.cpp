@@ -1,10 +1,11 @@
 // Test library: the CUDA backend's host functions and kernels, compiled for
 // the CPU emulation of the CUDA primitives (csrc/cuda/simt_emul.h) and
-// registered as torch.ops.mha_ext_emul.attention / attention_backward (and the varlen ops) on CPU
+// registered as torch.ops.mha_ext_emul.attention / attention_backward (and the varlen and KV-cache ops) on CPU
 // tensors, with the schemas of the real ops. tests/test_cuda_emul.py builds it
 // and holds its results to the CPU backend.
 #define MHA_SIMT_EMULATION 1
 #include "../../csrc/cuda/attention_host.h"
+#include "../../csrc/cuda/kvcache_attention_host.h"
 #include "../../csrc/cuda/varlen_attention_host.h"
 #include "../../csrc/schema.h"
 
@@ -15,6 +16,7 @@ TORCH_LIBRARY(mha_ext_emul, m) {
   m.def(mha_ext::kAttentionBackwardSchema);
   m.def(mha_ext::kVarlenAttentionSchema);
   m.def(mha_ext::kVarlenAttentionBackwardSchema);
+  m.def(mha_ext::kKVCacheAttentionSchema);
 }
 
 TORCH_LIBRARY_IMPL(mha_ext_emul, CPU, m) {
@@ -22,4 +24,5 @@ TORCH_LIBRARY_IMPL(mha_ext_emul, CPU, m) {
   m.impl("attention_backward", &mha_ext::device_host::attention_bwd_device);
   m.impl("varlen_attention", &mha_ext::device_host::varlen_attention_fwd_device);
   m.impl("varlen_attention_backward", &mha_ext::device_host::varlen_attention_bwd_device);
+  m.impl("kvcache_attention", &mha_ext::device_host::kvcache_attention_device);
 }

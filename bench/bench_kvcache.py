@@ -1,0 +1,87 @@
+"""A generation loop against a KV cache: mha_ext.kvcache_attention on a
+preallocated cache written in place, against what transformers' DynamicCache
+does (the whole history concatenated every step, then attention) with
+F.scaled_dot_product_attention and with mha_ext's SDPA. One process, the
+loops interleaved, medians.
+
+    python bench/bench_kvcache.py            # 512 steps after a 1024-token prompt
+    python bench/bench_kvcache.py --quick
+
+Writes markdown to bench/out/kvcache.md and prints it.
+"""
+import argparse
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import mha_ext  # noqa: E402
+from bench_attention import cpu_name, write_report  # noqa: E402
+
+
+def loops(B, hq, hkv, D, prompt, steps, dtype):
+    """(in-place cache, concatenating cache + torch SDPA, concatenating cache + mha_ext SDPA): each
+    a function running the whole decode loop (one new token a step) after the prompt is cached."""
+    g = torch.Generator().manual_seed(0)
+    new = [(torch.randn(B, 1, hq, D, generator=g).to(dtype), torch.randn(B, 1, hkv, D, generator=g).to(dtype),
+            torch.randn(B, 1, hkv, D, generator=g).to(dtype)) for _ in range(steps)]
+    pk, pv = torch.randn(B, prompt, hkv, D, generator=g).to(dtype), torch.randn(B, prompt, hkv, D, generator=g).to(dtype)
+
+    def in_place():
+        kc = torch.zeros(B, prompt + steps, hkv, D, dtype=dtype)
+        vc = torch.zeros(B, prompt + steps, hkv, D, dtype=dtype)
+        kc[:, :prompt], vc[:, :prompt] = pk, pv
+        sl = torch.full((B,), prompt, dtype=torch.int32)
+        for q, k, v in new:
+            mha_ext.kvcache_attention(q, kc, vc, sl, k, v)
+            sl += 1
+
+    def concatenating(attend):
+        def run():
+            hk, hv = pk.transpose(1, 2), pv.transpose(1, 2)  # (B, Hkv, S, D) as DynamicCache keeps them
+            for q, k, v in new:
+                hk, hv = torch.cat([hk, k.transpose(1, 2)], 2), torch.cat([hv, v.transpose(1, 2)], 2)
+                attend(q.transpose(1, 2), hk, hv, enable_gqa=True)
+        return run
+
+    return [in_place, concatenating(F.scaled_dot_product_attention),
+            concatenating(mha_ext.scaled_dot_product_attention)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    steps, prompt = (64, 512) if args.quick else (512, 1024)
+    shapes = [(1, 32, 8, 128), (4, 32, 8, 128), (4, 12, 12, 64)]
+    lines = [f"# KV-cache decode loop, {datetime.date.today()}", "",
+             f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, mha_ext CPU path "
+             f"{mha_ext.ops.cpu_isa()}; `python bench/bench_kvcache.py {' '.join(sys.argv[1:])}`; {steps} steps of one "
+             f"token after a {prompt}-token prompt, whole loops interleaved, medians of {args.reps}. In place: "
+             "mha_ext.kvcache_attention writing each step's key and value into a preallocated cache; concatenating: "
+             "the history concatenated every step (transformers' DynamicCache), then attention.", "",
+             "| dtype | B, Hq, Hkv, D | in place ms/step | concat + torch SDPA ms/step | concat + mha_ext SDPA ms/step "
+             "| torch / in place |", "|---|---|---|---|---|---|"]
+    for dtype in (torch.float32, torch.bfloat16):
+        for B, hq, hkv, D in shapes:
+            fns = loops(B, hq, hkv, D, prompt, steps, dtype)
+            times = [[] for _ in fns]
+            for _ in range(args.reps):
+                for i, fn in enumerate(fns):
+                    t = time.perf_counter()
+                    fn()
+                    times[i].append((time.perf_counter() - t) / steps)
+            med = [sorted(t)[len(t) // 2] for t in times]
+            lines.append(f"| {str(dtype).replace('torch.', '')} | {B}, {hq}, {hkv}, {D} | {med[0] * 1e3:.3f} | "
+                         f"{med[1] * 1e3:.3f} | {med[2] * 1e3:.3f} | {med[1] / med[0]:.2f} |")
+    write_report("kvcache.md", lines)
+
+
+if __name__ == "__main__":
+    main()

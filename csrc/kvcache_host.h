@@ -1,0 +1,73 @@
+// Host-side preparation of the KV-cache op, shared by every backend: checks,
+// the in-place write of the new keys and values into the caches, outputs and
+// the params. The kernels are the dense ones; each batch attends to its own
+// key count (seqlens_k, through sequence_params) of its cache rows.
+//
+// Layouts (FlashAttention's flash_attn_with_kvcache):
+//   query   (B, Lq, Hq, E)          out (B, Lq, Hq, Ev), logsumexp (B, Hq, Lq)
+//   k_cache (B, S_max, Hkv, E)      v_cache (B, S_max, Hkv, Ev), preallocated
+//   k_new   (B, L_new, Hkv, E)      v_new (B, L_new, Hkv, Ev), optional
+//   cache_seqlens int32 (B): keys already in batch b's cache
+// The new keys go to rows cache_seqlens[b] .. + L_new; batch b attends to its
+// first cache_seqlens[b] + L_new keys, aligned at the bottom-right corner.
+#pragma once
+
+#include "host_common.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/scatter.h>
+
+namespace mha_ext {
+
+// (B, X, H, D) as the kernels' (b, h, row, col) view
+inline Strides4 bshd_strides(const at::Tensor& t) {
+  return Strides4{t.stride(0), t.stride(2), t.stride(1), t.stride(3)};
+}
+
+struct KVCacheCall {
+  KVCacheShape s;
+  at::Tensor out, lse;
+  AttentionFwdParams p;
+  std::vector<at::Tensor> keep_alive;
+  bool has_rows = false;  // B * Hq * Lq > 0: p is filled
+};
+
+inline KVCacheCall prepare_kvcache(const at::Tensor& query, at::Tensor& k_cache, at::Tensor& v_cache,
+                                   const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
+                                   const std::optional<at::Tensor>& v_new, std::optional<double> scale,
+                                   const VariantArgs& va) {
+  KVCacheCall c;
+  c.s = check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new);
+  check_variant(c.s, query, va.window_left, va.window_right, va.softcap, va.alibi_slopes);
+  const KVCacheShape& s = c.s;
+  const at::Tensor start = cache_seqlens.to(at::kLong);
+  if (k_new.has_value() && s.len_new > 0) {  // rows cache_seqlens[b] + t, in place
+    const at::Tensor rows =
+        start.view({s.batch, 1}).add(at::arange(s.len_new, start.options())).view({s.batch, s.len_new, 1, 1});
+    k_cache.scatter_(1, rows.expand({s.batch, s.len_new, s.heads_kv, s.head_dim}), *k_new);
+    v_cache.scatter_(1, rows.expand({s.batch, s.len_new, s.heads_kv, s.head_dim_v}), *v_new);
+  }
+  c.out = at::empty({s.batch, s.len_q, s.heads_q, s.head_dim_v}, query.options());
+  c.lse = at::empty({s.batch, s.heads_q, s.len_q}, query.options().dtype(acc_type_of(query.scalar_type())));
+  c.has_rows = s.batch * s.heads_q * s.len_q > 0;
+  if (!c.has_rows) return c;
+  AttentionFwdParams& p = c.p;
+  p.q = query.const_data_ptr();
+  p.k = k_cache.const_data_ptr();
+  p.v = v_cache.const_data_ptr();
+  p.q_stride = bshd_strides(query);
+  p.k_stride = bshd_strides(k_cache);
+  p.v_stride = bshd_strides(v_cache);
+  fill_scalars(p, s, query, 0.0, va, scale, std::nullopt, c.keep_alive);
+  p.lse_stride_b = s.heads_q * s.len_q;  // lse (B, Hq, Lq), contiguous
+  p.lse_stride_h = s.len_q;
+  const at::Tensor keys = start.add(s.len_new).to(at::kInt).contiguous();  // keys of batch b
+  p.seqlens_k = keys.const_data_ptr<int32_t>();
+  p.out = c.out.data_ptr();
+  p.out_stride = bshd_strides(c.out);
+  p.lse = c.lse.data_ptr();
+  c.keep_alive.push_back(keys);
+  return c;
+}
+
+}  // namespace mha_ext

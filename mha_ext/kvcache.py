@@ -1,0 +1,88 @@
+"""The fake kernel and the functional API of the KV-cache op
+(mha_ext::kvcache_attention; mha_ext.ops registers the fake kernel, the
+module the library names). Its checks mirror check_kvcache_inputs
+(csrc/checks.cpp) as far as shapes go; the values of cache_seqlens are
+checked by the kernels' host code, which reads them."""
+from typing import Optional
+
+import torch
+
+from .ops import _acc_dtype, _check, _check_qkv_common, _fmt, _variant_args, check_variant
+
+__all__ = ["kvcache_attention"]
+
+
+def _check_4d(name, t, query, what):
+    _check_qkv_common(name, t, query, t.dim() == 4, f"4 dims ({what})")
+
+
+def _check_sizes(name, t, want, what):
+    _check(tuple(t.shape) == tuple(want), lambda: f"{name} must have shape {what} = {_fmt(want)}, got {_fmt(t.shape)}")
+
+
+def check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new):
+    """The Python twin of the shape checks of mha_ext::check_kvcache_inputs.
+    Returns (B, Lq, Hq, Hkv, Ev)."""
+    _check_4d("query", query, query, "batch, seqlen, heads, head_dim")
+    _check_4d("k_cache", k_cache, query, "batch, max_seqlen, heads, head_dim")
+    _check_4d("v_cache", v_cache, query, "batch, max_seqlen, heads, head_dim")
+    B, L, hq, E = query.shape
+    S, hkv, ev = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    _check_sizes("k_cache", k_cache, (B, S, hkv, E), "(B, S_max, Hkv, E)")
+    _check_sizes("v_cache", v_cache, (B, S, hkv, ev), "(B, S_max, Hkv, Ev)")
+    _check(hq == hkv or (hkv > 0 and hq % hkv == 0),
+           lambda: f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    c = cache_seqlens
+    _check(c.dtype == torch.int32 and c.dim() == 1 and c.shape[0] == B,
+           lambda: f"cache_seqlens must be an int32 tensor of shape (B) = ({B}), got {c.dtype} of shape {_fmt(c.shape)}")
+    _check(c.device == query.device,
+           lambda: f"cache_seqlens must be on the same device as query ({query.device}), got {c.device}")
+    _check((k_new is None) == (v_new is None),
+           lambda: f"k_new and v_new must be given together, got {'k_new only' if k_new is not None else 'v_new only'}")
+    if k_new is not None:
+        _check_4d("k_new", k_new, query, "batch, seqlen, heads, head_dim")
+        _check_4d("v_new", v_new, query, "batch, seqlen, heads, head_dim")
+        n = k_new.shape[1]
+        _check_sizes("k_new", k_new, (B, n, hkv, E), "(B, L_new, Hkv, E)")
+        _check_sizes("v_new", v_new, (B, n, hkv, ev), "(B, L_new, Hkv, Ev)")
+    return B, L, hq, hkv, ev
+
+
+def _kvcache_fake(query, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, scale=None, is_causal=False,
+                  window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    B, L, hq, _, ev = check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new)
+    check_variant(query, (B,), hq, window_left, window_right, softcap, alibi_slopes)
+    return query.new_empty((B, L, hq, ev)), query.new_empty((B, hq, L), dtype=_acc_dtype(query.dtype))
+
+
+def kvcache_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    k_new: Optional[torch.Tensor] = None,
+    v_new: Optional[torch.Tensor] = None,
+    *,
+    causal: bool = False,
+    window: tuple = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """Attention against a preallocated KV cache, forward only (FlashAttention's
+    flash_attn_with_kvcache).
+
+    query (B, Lq, Hq, E); k_cache (B, S_max, Hkv, E) and v_cache (B, S_max, Hkv,
+    Ev), preallocated; cache_seqlens int32 (B): keys already cached. k_new /
+    v_new (B, L_new, Hkv, E / Ev), when given, are written into the caches in
+    place at rows cache_seqlens[b] .. cache_seqlens[b] + L_new (the caller
+    advances cache_seqlens); nothing is copied or concatenated. Batch b attends
+    to its first cache_seqlens[b] + L_new keys, causal / window / ALiBi aligned
+    at the bottom-right corner (the last query row sees the last key); GQA
+    (Hq a multiple of Hkv), softcap, scale. Returns (B, Lq, Hq, Ev), and with
+    return_lse=True also the logsumexp (B, Hq, Lq)."""
+    wl, wr, _, cap = _variant_args("bottom_right", window, softcap)
+    out, lse = torch.ops.mha_ext.kvcache_attention(query, k_cache, v_cache, cache_seqlens, k_new, v_new, scale,
+                                                   bool(causal), wl, wr, cap, alibi_slopes)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,209 @@
+"""mha_ext.kvcache_attention / torch.ops.mha_ext.kvcache_attention: decoding
+against a preallocated KV cache written in place (FlashAttention's
+flash_attn_with_kvcache convention). Outputs and logsumexp against the float64
+reference on each batch's keys (cache rows plus the new ones), the in-place
+writes, a generation loop against the concatenating cache transformers'
+DynamicCache uses, the variants, registration (opcheck, compile), the errors."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mha_ext
+import reference as R
+
+op = torch.ops.mha_ext
+
+
+def _make(B=3, S_max=300, hq=4, hkv=2, E=16, Ev=24, L=4, seqlens=(0, 100, 250), dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    return (r(B, L, hq, E), r(B, S_max, hkv, E), r(B, S_max, hkv, Ev), torch.tensor(seqlens, dtype=torch.int32),
+            r(B, L, hkv, E), r(B, L, hkv, Ev))
+
+
+def _reference(q, k_cache, v_cache, seqlens, k_new, v_new, compute_dtype=torch.float64, **variant):
+    """Each batch alone: its cached keys, then the new ones, (H, L, D) layout."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        n = int(seqlens[b])
+        keys, vals = k_cache[b, :n], v_cache[b, :n]
+        if k_new is not None:
+            keys, vals = torch.cat([keys, k_new[b]]), torch.cat([vals, v_new[b]])
+        qb, kb, vb = q[b].transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1)
+        sl = variant.get("alibi_slopes")
+        var = dict(variant, alibi_slopes=None if sl is None else (sl if sl.dim() == 1 else sl[b]))
+        gqa = qb.shape[0] != kb.shape[0]
+        outs.append(R.attention(qb, kb, vb, enable_gqa=gqa, bottom_right=True, compute_dtype=compute_dtype,
+                                **var).transpose(0, 1))
+        causal = var.pop("is_causal", False)
+        lses.append(R.logsumexp(qb, kb, None, causal, None, gqa, bottom_right=True, **var))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def _run(q, k_cache, v_cache, seqlens, k_new, v_new, ops=op, **variant):
+    w = variant.get("window", (-1, -1))
+    return ops.kvcache_attention(q, k_cache, v_cache, seqlens, k_new, v_new, None, variant.get("is_causal", False),
+                                w[0], w[1], variant.get("softcap", 0.0), variant.get("alibi_slopes"))
+
+
+VARIANTS = {
+    "plain": dict(),
+    "causal": dict(is_causal=True),
+    "window": dict(is_causal=True, window=(50, -1)),
+    "softcap": dict(softcap=1.5),
+    "alibi (B, Hq)": dict(alibi_slopes=torch.tensor([[0.5, 0.25, 0.1, 0.05]]).expand(3, 4) * torch.tensor([[1.0], [0.5], [2.0]])),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("L", [1, 4, 40])
+def test_kvcache_matches_reference_and_writes_the_cache(name, dtype, L):
+    variant = VARIANTS[name]
+    q, kc, vc, sl, kn, vn = _make(L=L, dtype=dtype)
+    kc0, vc0 = kc.clone(), vc.clone()
+    out, lse = _run(q, kc, vc, sl, kn, vn, **variant)
+    ref, ref_lse = _reference(q, kc0, vc0, sl, kn, vn, **variant)
+    assert out.shape == ref.shape and lse.shape == ref_lse.shape
+    if dtype in (torch.float64, torch.float32):
+        tol = 1e-10 if dtype == torch.float64 else 2e-5
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
+    else:
+        eager, _ = _reference(q, kc0, vc0, sl, kn, vn, compute_dtype=dtype, **variant)
+        ea, ee = (out.double() - ref).abs().max().item(), (eager.double() - ref).abs().max().item()
+        assert ea <= 2 * ee + 1e-3 * ref.abs().max().item(), (ea, ee)
+    for b in range(3):  # the new rows written in place, nothing else touched
+        n = int(sl[b])
+        want_k, want_v = kc0[b].clone(), vc0[b].clone()
+        want_k[n:n + L], want_v[n:n + L] = kn[b], vn[b]
+        assert torch.equal(kc[b], want_k) and torch.equal(vc[b], want_v)
+
+
+@pytest.fixture(scope="module", params=[
+    "emul", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def device_backend(request):
+    """The CUDA backend's KV-cache op: emulated on the CPU, or on a GPU."""
+    from test_cuda_emul import OnCuda, _load_emulation
+
+    return _load_emulation() if request.param == "emul" else OnCuda()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["causal", "window", "alibi (B, Hq)"])
+def test_kvcache_cuda_backend_matches_reference(device_backend, name, dtype):
+    variant = VARIANTS[name]
+    q, kc, vc, sl, kn, vn = _make(L=3, dtype=dtype)
+    kc0, vc0 = kc.clone(), vc.clone()
+    out, lse = _run(q, kc, vc, sl, kn, vn, ops=device_backend, **variant)
+    ref, ref_lse = _reference(q, kc0, vc0, sl, kn, vn, **variant)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-5, atol=2e-5)
+    else:
+        eager, _ = _reference(q, kc0, vc0, sl, kn, vn, compute_dtype=dtype, **variant)
+        ea, ee = (out.double() - ref).abs().max().item(), (eager.double() - ref).abs().max().item()
+        assert ea <= 2 * ee + 1e-3 * ref.abs().max().item(), (ea, ee)
+    assert torch.equal(kc[1, 100:103], kn[1]) and torch.equal(vc[2, 250:253], vn[2])
+
+
+def test_kvcache_without_new_keys_and_empty_batches():
+    q, kc, vc, _, _, _ = _make(L=2)
+    sl = torch.tensor([0, 7, 300], dtype=torch.int32)  # an empty cache: output 0, lse -inf
+    out, lse = _run(q, kc, vc, sl, None, None, is_causal=True)
+    ref, ref_lse = _reference(q, kc, vc, sl, None, None, is_causal=True)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and (lse[0] == float("-inf")).all()
+    torch.testing.assert_close(lse[1:].double(), ref_lse[1:], rtol=2e-5, atol=2e-5)
+
+
+def test_generation_loop_matches_a_concatenating_cache():
+    # what transformers' DynamicCache does: the whole history concatenated every step, then SDPA
+    torch.manual_seed(0)
+    B, hq, hkv, E, prompt, steps = 2, 8, 2, 32, 37, 60
+    kc, vc = torch.zeros(B, prompt + steps, hkv, E), torch.zeros(B, prompt + steps, hkv, E)
+    sl = torch.zeros(B, dtype=torch.int32)
+    hist_k, hist_v = torch.zeros(B, hkv, 0, E), torch.zeros(B, hkv, 0, E)
+    for step in range(steps + 1):
+        L = prompt if step == 0 else 1
+        q, kn, vn = torch.randn(B, L, hq, E), torch.randn(B, L, hkv, E), torch.randn(B, L, hkv, E)
+        out = mha_ext.kvcache_attention(q, kc, vc, sl, kn, vn, causal=True)
+        sl += L
+        hist_k, hist_v = torch.cat([hist_k, kn.transpose(1, 2)], 2), torch.cat([hist_v, vn.transpose(1, 2)], 2)
+        causal = L > 1  # a prompt is causal; one new row sees everything
+        ref = F.scaled_dot_product_attention(q.transpose(1, 2), hist_k, hist_v, is_causal=causal, enable_gqa=True)
+        torch.testing.assert_close(out, ref.transpose(1, 2), rtol=2e-5, atol=2e-5)
+
+
+def test_kvcache_strided_query_and_cache_views():
+    q, kc, vc, sl, kn, vn = _make(L=3)
+    big = torch.zeros(3, 300, 2, 40)  # the caches as views into one buffer (K and V side by side)
+    big[..., :16], big[..., 16:] = kc, vc
+    kv, vv = big[..., :16], big[..., 16:]
+    qs = q.transpose(1, 2).contiguous().transpose(1, 2)
+    out, lse = _run(qs, kv, vv, sl, kn, vn, is_causal=True)
+    ref, _ = _reference(q, kc, vc, sl, kn, vn, is_causal=True)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    assert torch.equal(big[1, 100:103, :, :16], kn[1]) and torch.equal(big[1, 100:103, :, 16:], vn[1])
+
+
+def test_kvcache_opcheck_and_compile():
+    q, kc, vc, sl, kn, vn = _make(L=2, dtype=torch.float64)
+    torch.library.opcheck(op.kvcache_attention, (q, kc.clone(), vc.clone(), sl, kn, vn, None, True, -1, -1, 0.0, None))
+
+    def step(q, kc, vc, sl, kn, vn):
+        return mha_ext.kvcache_attention(q, kc, vc, sl, kn, vn, causal=True)
+
+    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    want = step(q, kc1, vc1, sl, kn, vn)
+    got = torch.compile(step, fullgraph=True)(q, kc2, vc2, sl, kn, vn)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)  # the mutation survives compilation
+
+
+def _bad():
+    q, kc, vc, sl, kn, vn = _make(L=2)
+    good = dict(q=q, kc=kc, vc=vc, sl=sl, kn=kn, vn=vn)
+    return good, {
+        "cache_seqlens past the cache": (dict(sl=torch.tensor([0, 100, 299], dtype=torch.int32)),
+                                         r"cache_seqlens\[2\] must be in \[0, 298\] \(S_max = 300 minus 2 new keys\), "
+                                         r"got 299"),
+        "cache_seqlens negative": (dict(sl=torch.tensor([0, -1, 5], dtype=torch.int32)),
+                                   r"cache_seqlens\[1\] must be in \[0, 298\]"),
+        "cache_seqlens int64": (dict(sl=sl.long()), r"cache_seqlens must be an int32 tensor of shape \(B\) = \(3\), got "
+                                                    r"torch.int64 of shape \(3\)"),
+        "cache_seqlens too short": (dict(sl=sl[:2]), r"cache_seqlens must be an int32 tensor of shape \(B\) = \(3\)"),
+        "k_new without v_new": (dict(vn=None), r"k_new and v_new must be given together, got k_new only"),
+        "k_new heads": (dict(kn=kn[:, :, :1]), r"k_new must have shape \(B, L_new, Hkv, E\) = \(3, 2, 2, 16\), got "
+                                               r"\(3, 2, 1, 16\)"),
+        "v_cache batch": (dict(vc=vc[:2]), r"v_cache must have shape \(B, S_max, Hkv, Ev\) = \(3, 300, 2, 24\)"),
+        "query 3-d": (dict(q=q[0]), r"query must have 4 dims \(batch, seqlen, heads, head_dim\)"),
+        "k_cache dtype": (dict(kc=kc.double()), r"k_cache must have the same dtype as query"),
+        "heads not a multiple": (dict(q=torch.randn(3, 2, 3, 16)), r"query heads \(3\) must be a multiple of key/value "
+                                                                   r"heads \(2\)"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_bad()[1]))
+def test_kvcache_bad_inputs_name_the_argument(name):
+    good, cases = _bad()
+    change, pattern = cases[name]
+    a = {**good, **change}
+    before = a["kc"].clone()
+    with pytest.raises(RuntimeError, match=pattern):
+        op.kvcache_attention(a["q"], a["kc"], a["vc"], a["sl"], a["kn"], a["vn"])
+    assert torch.equal(a["kc"], before)  # nothing written
+
+
+@pytest.mark.parametrize("name", [n for n in _bad()[1] if "cache_seqlens[" not in _bad()[1][n][1]
+                                  and "past" not in n and "negative" not in n])
+def test_kvcache_fake_kernel_says_the_same(name):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    good, cases = _bad()
+    change, pattern = cases[name]
+    a = {**good, **change}
+    with FakeTensorMode() as mode:
+        f = {k: (mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
+        with pytest.raises(RuntimeError, match=pattern):
+            op.kvcache_attention(f["q"], f["kc"], f["vc"], f["sl"], f["kn"], f["vn"])
