@@ -57,6 +57,11 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   const int64_t E = p.head_dim, Ev = p.head_dim_v;
   const acc_t unit = Ops::kUnitsPerNat;
   const acc_t scale = static_cast<acc_t>(p.scale) * unit;
+  // bfloat16 / float16: K is widened in registers by the dot products, V in
+  // kVRows-row pieces (32 KiB at 128 columns), never as whole tiles that would
+  // pass through L2 twice (a third of a bfloat16 decode's time went there)
+  constexpr bool kHalfBits = std::is_same_v<acc_t, float> && sizeof(scalar_t) == 2;
+  constexpr int64_t kVRows = 64;
   const scalar_t* q = static_cast<const scalar_t*>(p.q);
   const scalar_t* k = static_cast<const scalar_t*>(p.k);
   const scalar_t* v = static_cast<const scalar_t*>(p.v);
@@ -93,14 +98,24 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
       for (int64_t j0 = j_lo; j0 < j_hi; j0 += kBlockN) {
         const int64_t n = std::min(kBlockN, j_hi - j0);
         int64_t ldk = 0, ldv = 0;
-        const acc_t* kr = load_tile(k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row, p.k_stride.row,
-                                    p.k_stride.col, n, E, k_buf.data(), &ldk);
-        const acc_t* vr = load_tile(v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row, p.v_stride.row,
-                                    p.v_stride.col, n, Ev, v_buf.data(), &ldv);
+        const scalar_t* v_tile = v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row;
+        if (p.v_stride.col == 1)  // V's rows on their way to L2 while the scores are computed
+          for (int64_t c = 0; c < n; ++c) prefetch_row(v_tile + c * p.v_stride.row, Ev * sizeof(scalar_t), 1);
+        const scalar_t* k_tile = k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row;
         acc_t* s = s_buf.data();
-        if constexpr (std::is_same_v<acc_t, float>) {  // S = Q K^T, a dot product per (row, key)
+        if constexpr (kHalfBits) {  // S = Q K^T, a dot product per (row, key), K widened in registers
+          if (p.k_stride.col == 1) {
+            cpu::dot_rows_16(qr.data(), R, E, reinterpret_cast<const uint16_t*>(k_tile), p.k_stride.row, n, s, n,
+                             std::is_same_v<scalar_t, c10::BFloat16>);
+          } else {
+            const acc_t* kr = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
+            cpu::dot_rows(qr.data(), R, E, kr, ldk, n, s, n);
+          }
+        } else if constexpr (std::is_same_v<acc_t, float>) {
+          const acc_t* kr = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
           cpu::dot_rows(qr.data(), R, E, kr, ldk, n, s, n);
         } else {
+          const acc_t* kr = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
           for (int64_t r = 0; r < R; ++r)
             for (int64_t c = 0; c < n; ++c) s[r * n + c] = E > 0 ? Ops::dot(qr.data() + r * E, kr + c * ldk, E) : 0.0;
         }
@@ -119,7 +134,14 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
           m[r] = new_max;
           if (alpha != acc_t(1)) Ops::scale(o + r * Ev, Ev, alpha);
         }
-        cpu::gemm(R, Ev, n, acc_t(1), s, n, 1, vr, ldv, acc_t(1), o, Ev);  // O += P V
+        // O += P V; V widened kVRows rows at a time (an L1-sized buffer) where it is not read in place
+        const int64_t step = tile_needs_pack<scalar_t, acc_t>(p.v_stride.col) ? kVRows : n;
+        for (int64_t c0 = 0; c0 < n; c0 += step) {
+          const int64_t nc = std::min(step, n - c0);
+          const acc_t* vr =
+              load_tile(v_tile + c0 * p.v_stride.row, p.v_stride.row, p.v_stride.col, nc, Ev, v_buf.data(), &ldv);
+          cpu::gemm(R, Ev, nc, acc_t(1), s + c0, n, 1, vr, ldv, acc_t(1), o, Ev);
+        }
       }
     }
   });

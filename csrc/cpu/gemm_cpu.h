@@ -81,6 +81,9 @@ float exp2_sub_sum(float* x, int64_t n, float mul, float sub);
 // s[r * lds + c] = dot(q row r, key row c) for R query rows (R x E, row-major)
 // and n key rows (row stride ldk)
 void dot_rows(const float* q, int64_t R, int64_t E, const float* k, int64_t ldk, int64_t n, float* s, int64_t lds);
+// the same with bfloat16 (bf16) or float16 key rows, widened in registers
+void dot_rows_16(const float* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
+                 int64_t lds, bool bf16);
 // dst[i] = float of the bfloat16 / float16 bits src[i] (exact)
 void widen_bf16(const uint16_t* src, int64_t n, float* dst);
 void widen_half(const uint16_t* src, int64_t n, float* dst);

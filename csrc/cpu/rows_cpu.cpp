@@ -12,12 +12,27 @@ namespace mha_ext {
 namespace cpu {
 namespace {
 
+float bits_to_float(uint16_t x, bool bf16) {
+  return bf16 ? static_cast<float>(c10::BFloat16(x, c10::BFloat16::from_bits()))
+              : static_cast<float>(c10::Half(x, c10::Half::from_bits()));
+}
+
 void dot_rows_generic(const float* q, int64_t R, int64_t E, const float* k, int64_t ldk, int64_t n, float* s,
                       int64_t lds) {
   for (int64_t c = 0; c < n; ++c)
     for (int64_t r = 0; r < R; ++r) {
       float acc = 0.f;
       for (int64_t e = 0; e < E; ++e) acc += q[r * E + e] * k[c * ldk + e];
+      s[r * lds + c] = acc;
+    }
+}
+
+void dot_rows_16_generic(const float* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
+                         int64_t lds, bool bf16) {
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t r = 0; r < R; ++r) {
+      float acc = 0.f;
+      for (int64_t e = 0; e < E; ++e) acc += q[r * E + e] * bits_to_float(k[c * ldk + e], bf16);
       s[r * lds + c] = acc;
     }
 }
@@ -35,7 +50,30 @@ __attribute__((target("avx512f"))) inline __mmask16 lanes(int64_t left) {
 // (AMD EPYC, float32, E = 128), with it 24-31.
 constexpr int64_t kAhead = 8;
 
-__attribute__((target("avx512f"))) void dot_rows_avx512(const float* q, int64_t R, int64_t E, const float* k,
+// 16 key elements as floats: float32 as they are, bfloat16 / float16 widened
+// in the register (no widened copy of the tile goes through the caches).
+template <int kKind>  // 0: float32, 1: bfloat16, 2: float16
+__attribute__((target("avx512f"))) inline __m512 load16(const void* p, int64_t e, __mmask16 m) {
+  if constexpr (kKind == 0) {
+    return _mm512_maskz_loadu_ps(m, static_cast<const float*>(p) + e);
+  } else {
+    const uint16_t* h = static_cast<const uint16_t*>(p) + e;
+    __m256i x;
+    if (m == __mmask16(0xFFFF)) {
+      x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
+    } else {
+      alignas(32) uint16_t tmp[16] = {};
+      for (int i = 0; i < 16; ++i)
+        if (m >> i & 1) tmp[i] = h[i];
+      x = _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
+    }
+    if constexpr (kKind == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+    return _mm512_cvtph_ps(x);
+  }
+}
+
+template <int kKind, typename K>
+__attribute__((target("avx512f"))) void dot_rows_avx512(const float* q, int64_t R, int64_t E, const K* k,
                                                         int64_t ldk, int64_t n, float* s, int64_t lds) {
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
     const int64_t nc = n - c0 < 16 ? n - c0 : 16;
@@ -45,12 +83,13 @@ __attribute__((target("avx512f"))) void dot_rows_avx512(const float* q, int64_t 
       __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
       for (int64_t t = 0; t < nc; ++t) {
         const int64_t c = c0 + t;
-        const float* kr = k + c * ldk;
+        const K* kr = k + c * ldk;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t e = 0; e < E; e += 16) {
           const __mmask16 m = lanes(E - e);
-          if (r0 == 0 && c + kAhead < n) _mm_prefetch(reinterpret_cast<const char*>(kr + kAhead * ldk + e), _MM_HINT_T0);
-          const __m512 kv = _mm512_maskz_loadu_ps(m, kr + e);
+          if (r0 == 0 && c + kAhead < n && (e * sizeof(K)) % 64 == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(kr + kAhead * ldk + e), _MM_HINT_T0);
+          const __m512 kv = load16<kKind>(kr, e, m);
           a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q0 + e), kv, a0);
           if (rr > 1) a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q0 + E + e), kv, a1);
           if (rr > 2) a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q0 + 2 * E + e), kv, a2);
@@ -78,14 +117,14 @@ __attribute__((target("avx512f"))) void widen_bf16_avx512(const uint16_t* src, i
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
     _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)));
   }
-  for (; i < n; ++i) dst[i] = static_cast<float>(c10::BFloat16(src[i], c10::BFloat16::from_bits()));
+  for (; i < n; ++i) dst[i] = bits_to_float(src[i], true);
 }
 
 __attribute__((target("avx512f"))) void widen_half_avx512(const uint16_t* src, int64_t n, float* dst) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
-  for (; i < n; ++i) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
+  for (; i < n; ++i) dst[i] = bits_to_float(src[i], false);
 }
 #endif  // MHA_X86
 
@@ -93,23 +132,32 @@ __attribute__((target("avx512f"))) void widen_half_avx512(const uint16_t* src, i
 
 void dot_rows(const float* q, int64_t R, int64_t E, const float* k, int64_t ldk, int64_t n, float* s, int64_t lds) {
 #if MHA_X86
-  if (active_isa() >= Isa::kAvx512) return dot_rows_avx512(q, R, E, k, ldk, n, s, lds);
+  if (active_isa() >= Isa::kAvx512) return dot_rows_avx512<0>(q, R, E, k, ldk, n, s, lds);
 #endif
   dot_rows_generic(q, R, E, k, ldk, n, s, lds);
+}
+
+void dot_rows_16(const float* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
+                 int64_t lds, bool bf16) {
+#if MHA_X86
+  if (active_isa() >= Isa::kAvx512)
+    return bf16 ? dot_rows_avx512<1>(q, R, E, k, ldk, n, s, lds) : dot_rows_avx512<2>(q, R, E, k, ldk, n, s, lds);
+#endif
+  dot_rows_16_generic(q, R, E, k, ldk, n, s, lds, bf16);
 }
 
 void widen_bf16(const uint16_t* src, int64_t n, float* dst) {
 #if MHA_X86
   if (active_isa() >= Isa::kAvx512) return widen_bf16_avx512(src, n, dst);
 #endif
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(c10::BFloat16(src[i], c10::BFloat16::from_bits()));
+  for (int64_t i = 0; i < n; ++i) dst[i] = bits_to_float(src[i], true);
 }
 
 void widen_half(const uint16_t* src, int64_t n, float* dst) {
 #if MHA_X86
   if (active_isa() >= Isa::kAvx512) return widen_half_avx512(src, n, dst);
 #endif
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
+  for (int64_t i = 0; i < n; ++i) dst[i] = bits_to_float(src[i], false);
 }
 
 }  // namespace cpu
