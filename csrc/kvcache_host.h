@@ -15,7 +15,7 @@
 #include "host_common.h"
 
 #include <ATen/ops/arange.h>
-#include <ATen/ops/scatter.h>
+#include <ATen/ops/index_put.h>
 
 namespace mha_ext {
 
@@ -42,10 +42,12 @@ inline KVCacheCall prepare_kvcache(const at::Tensor& query, at::Tensor& k_cache,
   const KVCacheShape& s = c.s;
   const at::Tensor start = cache_seqlens.to(at::kLong);
   if (k_new.has_value() && s.len_new > 0) {  // rows cache_seqlens[b] + t, in place
-    const at::Tensor rows =
-        start.view({s.batch, 1}).add(at::arange(s.len_new, start.options())).view({s.batch, s.len_new, 1, 1});
-    k_cache.scatter_(1, rows.expand({s.batch, s.len_new, s.heads_kv, s.head_dim}), *k_new);
-    v_cache.scatter_(1, rows.expand({s.batch, s.len_new, s.heads_kv, s.head_dim_v}), *v_new);
+    // index_put_ rather than scatter_: torch's CPU scatter_ of bfloat16 took
+    // 1.5 ms for one (4, 1, 8, 128) step (float32: 0.013), index_put_ 0.012
+    const at::Tensor rows = start.view({s.batch, 1}).add(at::arange(s.len_new, start.options()));
+    const at::Tensor batch = at::arange(s.batch, start.options()).view({s.batch, 1}).expand({s.batch, s.len_new});
+    k_cache.index_put_({batch, rows}, *k_new);
+    v_cache.index_put_({batch, rows}, *v_new);
   }
   c.out = at::empty({s.batch, s.len_q, s.heads_q, s.head_dim_v}, query.options());
   c.lse = at::empty({s.batch, s.heads_q, s.len_q}, query.options().dtype(acc_type_of(query.scalar_type())));
