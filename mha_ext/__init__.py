@@ -37,4 +37,5 @@ from .kvcache import kvcache_attention  # noqa: E402
 from .varlen import varlen_attention  # noqa: E402
 from .plot import plot_attention  # noqa: E402  (imports matplotlib only when called)
 
-__all__ = ["scaled_dot_product_attention", "attention", "varlen_attention", "kvcache_attention", "MultiheadAttention", "plot_attention", "ops", "library_path"]
+__all__ = ["scaled_dot_product_attention", "attention", "varlen_attention", "kvcache_attention", "MultiheadAttention",
+           "plot_attention", "ops", "library_path"]

@@ -34,7 +34,8 @@ def check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new):
            lambda: f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     c = cache_seqlens
     _check(c.dtype == torch.int32 and c.dim() == 1 and c.shape[0] == B,
-           lambda: f"cache_seqlens must be an int32 tensor of shape (B) = ({B}), got {c.dtype} of shape {_fmt(c.shape)}")
+           lambda: f"cache_seqlens must be an int32 tensor of shape (B) = ({B}), got {c.dtype} of shape "
+           f"{_fmt(c.shape)}")
     _check(c.device == query.device,
            lambda: f"cache_seqlens must be on the same device as query ({query.device}), got {c.device}")
     _check((k_new is None) == (v_new is None),
