@@ -1,0 +1,215 @@
+"""Context-parallel (ring) attention over torch.distributed.
+
+Each rank holds a shard of the sequence of q, k and v; the key/value shards
+travel around the ring with point-to-point sends (public torch.distributed
+APIs; gloo on CPUs, NCCL on GPUs), the next shard's transfer overlapped with
+the attention on the shard in hand, and the partial outputs merge by their
+logsumexp (mha_ext's op returns the natural-log LSE of what it attended). The
+backward sends the key/value gradients around the ring with the shards, so
+after a full turn each rank holds the gradients of its own keys and values.
+
+Sharding layouts (dim -2 of (..., H, L, D) tensors, W ranks):
+  "contiguous": rank r holds rows [r n, (r + 1) n) of the L = W n rows;
+  "zigzag":     the sequence cut into 2W chunks; rank r holds chunks r and
+                2W - 1 - r, so under causal attention every rank does the same
+                work (shard() / unshard() convert).
+"""
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ring_attention", "shard", "unshard"]
+
+_LAYOUTS = ("contiguous", "zigzag")
+
+
+def _chunks_of(rank, world, layout):
+    """Global chunk indices of a rank's local chunks, in local order."""
+    return [rank] if layout == "contiguous" else [rank, 2 * world - 1 - rank]
+
+
+def shard(x: torch.Tensor, rank: int, world: int, layout: str = "zigzag", dim: int = -2) -> torch.Tensor:
+    """This rank's shard of a whole-sequence tensor (along `dim`)."""
+    _check_layout(layout)
+    n = 1 if layout == "contiguous" else 2
+    if x.shape[dim] % (n * world) != 0:
+        raise ValueError(f"sequence length ({x.shape[dim]}) must be a multiple of {n * world} for the {layout!r} "
+                         f"layout over {world} ranks")
+    pieces = x.chunk(n * world, dim=dim)
+    return torch.cat([pieces[c] for c in _chunks_of(rank, world, layout)], dim=dim)
+
+
+def unshard(shards, layout: str = "zigzag", dim: int = -2) -> torch.Tensor:
+    """The whole-sequence tensor from every rank's shard (a list in rank order)."""
+    _check_layout(layout)
+    world = len(shards)
+    n = 1 if layout == "contiguous" else 2
+    pieces = [None] * (n * world)
+    for r, s in enumerate(shards):
+        for c, piece in zip(_chunks_of(r, world, layout), s.chunk(n, dim=dim)):
+            pieces[c] = piece
+    return torch.cat(pieces, dim=dim)
+
+
+def _check_layout(layout):
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
+
+
+def _check_same_on_every_rank(q, k, v, group, world, layout):
+    """Shapes, dtypes and the layout's divisibility, compared across ranks with one
+    all_gather: every rank sees the same list, so every rank raises the same
+    error (no rank is left waiting in a send)."""
+    def code(t):
+        return [t.dim()] + list(t.shape) + [0] * (8 - t.dim())
+
+    mine = torch.tensor(code(q) + code(k) + code(v) + [_FLOAT_CODES.get(q.dtype, -1)], dtype=torch.int64)
+    if q.device.type != "cpu":
+        mine = mine.to(q.device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    rows = [e.cpu().tolist() for e in every]
+    if any(r != rows[0] for r in rows):
+        bad = [i for i, r in enumerate(rows) if r != rows[0]]
+        raise RuntimeError(f"ring_attention: q, k, v must have the same shapes and dtype on every rank; ranks {bad} "
+                           f"differ from rank 0 (shards of unequal length?)")
+    if q.shape[-2] != k.shape[-2]:
+        raise RuntimeError(f"ring_attention: q and k shards must have the same length, got {q.shape[-2]} and "
+                           f"{k.shape[-2]}")
+    if layout == "zigzag" and q.shape[-2] % 2 != 0:
+        raise RuntimeError(f"ring_attention: a zigzag shard holds two equal chunks; its length must be even, got "
+                           f"{q.shape[-2]}")
+
+
+_FLOAT_CODES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+
+
+def _merge(out, lse, part, part_lse):
+    """Two attention results over disjoint keys merged by their logsumexp
+    (out (..., L, Ev) float accumulators, lse (..., L)); -inf rows stay 0."""
+    new = torch.logaddexp(lse, part_lse)
+    finite = new > float("-inf")
+    a = torch.where(finite, torch.exp(lse - new), 0.0).unsqueeze(-1)
+    b = torch.where(finite, torch.exp(part_lse - new), 0.0).unsqueeze(-1)
+    return out * a + part.to(out.dtype) * b, new
+
+
+class _Ring:
+    """Sends this rank's buffers to the next rank and receives the previous
+    rank's, started before the compute on the buffers in hand."""
+
+    def __init__(self, group, rank, world):
+        self.group, self.world = group, world
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+        self.next, self.prev = ranks[(rank + 1) % world], ranks[(rank - 1) % world]
+
+    def start(self, tensors):
+        recv = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in recv]
+        return dist.batch_isend_irecv(ops), recv
+
+    @staticmethod
+    def finish(pending):
+        reqs, recv = pending
+        for r in reqs:
+            r.wait()
+        return recv
+
+
+def _pairs(rank, src, world, layout, causal):
+    """(local q chunk, local kv chunk, is_causal) for the chunk pairs that attend:
+    a kv chunk after the q chunk is skipped under causal, the same chunk is the
+    causal diagonal (equal lengths: top-left)."""
+    out = []
+    for a, qa in enumerate(_chunks_of(rank, world, layout)):
+        for b, kb in enumerate(_chunks_of(src, world, layout)):
+            if not causal or kb < qa:
+                out.append((a, b, False))
+            elif kb == qa:
+                out.append((a, b, True))
+    return out
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, layout):
+        world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        _check_same_on_every_rank(q, k, v, group, world, layout)
+        gqa = q.shape[-3] != k.shape[-3]
+        n = 1 if layout == "contiguous" else 2
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        qc = q.chunk(n, dim=-2)
+        out = [torch.zeros(c.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device) for c in qc]
+        lse = [torch.full(c.shape[:-1], float("-inf"), dtype=acc, device=q.device) for c in qc]
+        ring = _Ring(group, rank, world)
+        kv = [k.contiguous(), v.contiguous()]
+        for step in range(world):
+            pending = ring.start(kv) if step + 1 < world else None
+            src = (rank - step) % world
+            kc, vc = kv[0].chunk(n, dim=-2), kv[1].chunk(n, dim=-2)
+            for a, b, diag in _pairs(rank, src, world, layout, causal):
+                o, l, _ = torch.ops.mha_ext.attention(qc[a], kc[b], vc[b], None, 0.0, diag, scale, gqa, None)
+                out[a], lse[a] = _merge(out[a], lse[a], o, l)
+            if pending is not None:
+                kv = ring.finish(pending)
+        out = torch.cat(out, dim=-2).to(q.dtype)
+        lse = torch.cat(lse, dim=-2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, causal, scale, layout)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, scale, layout = ctx.args
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        gqa = q.shape[-3] != k.shape[-3]
+        n = 1 if layout == "contiguous" else 2
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        qc, oc, gc = q.chunk(n, dim=-2), out.chunk(n, dim=-2), grad_out.contiguous().chunk(n, dim=-2)
+        lc = lse.chunk(n, dim=-2)
+        dq = [torch.zeros(c.shape, dtype=acc, device=q.device) for c in qc]
+        ring = _Ring(group, rank, world)
+        # the shard in hand travels with its gradient accumulators; after a
+        # full turn (world sends) they are back at their owner
+        travel = [k.contiguous(), v.contiguous(), torch.zeros(k.shape, dtype=acc, device=k.device),
+                  torch.zeros(v.shape, dtype=acc, device=v.device)]
+        for step in range(world):
+            src = (rank - step) % world
+            kc, vc = travel[0].chunk(n, dim=-2), travel[1].chunk(n, dim=-2)
+            dkc, dvc = travel[2].chunk(n, dim=-2), travel[3].chunk(n, dim=-2)
+            for a, b, diag in _pairs(rank, src, world, layout, causal):
+                gq, gk, gv, _ = torch.ops.mha_ext.attention_backward(
+                    gc[a], qc[a], kc[b], vc[b], oc[a], lc[a].contiguous(), None, 0.0, diag, scale, gqa,
+                    torch.zeros(2, dtype=torch.int64), False)
+                dq[a] += gq
+                dkc[b].add_(gk)
+                dvc[b].add_(gv)
+            if world > 1:
+                travel = ring.finish(ring.start(travel))
+        dq = torch.cat(dq, dim=-2).to(q.dtype)
+        return dq, travel[2].to(k.dtype), travel[3].to(v.dtype), None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    layout: str = "zigzag",
+) -> torch.Tensor:
+    """Attention over a sequence sharded across the ranks of `group` (default:
+    the whole world): q (..., Hq, n, E), k (..., Hkv, n, E), v (..., Hkv, n, Ev)
+    are this rank's shards (see the module's layouts); returns this rank's
+    shard of the output, (..., Hq, n, Ev). Autograd works (the backward is a
+    second turn of the ring). GQA when Hq is a multiple of Hkv; every dtype.
+    causal: each query attends to the keys at or before its global position.
+    Every rank must call it with the same shapes (checked on every rank)."""
+    _check_layout(layout)
+    return _RingAttention.apply(q, k, v, group, causal, scale, layout)

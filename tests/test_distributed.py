@@ -1,0 +1,123 @@
+"""mha_ext.distributed.ring_attention on real torch.distributed process
+groups (gloo, 2 and 4 CPU processes on this machine): each rank's shard of
+the output and of the q, k, v gradients against single-process
+mha_ext.scaled_dot_product_attention on the whole sequence, for both
+layouts, causal and not, GQA, float64 and float32; a group of size 1; and
+mismatched shards raising the same error on every rank (never a hang: each
+launch has a timeout). NCCL: the same code; the GPU test skips with a reason
+without two GPUs."""
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 240
+
+
+def _worker(rank, world, init_file, task, results, backend="gloo"):
+    import torch.distributed as dist
+
+    import mha_ext
+    from mha_ext.distributed import ring_attention, shard
+
+    dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        out = []
+        if task == "parity":
+            for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+                for causal in (False, True):
+                    for layout in ("contiguous", "zigzag"):
+                        for hkv in (4, 2):
+                            g = torch.Generator().manual_seed(7)
+                            L = 2 * world * 6
+                            q = torch.randn(2, 4, L, 16, generator=g, dtype=torch.float64).to(dev, dtype)
+                            k = torch.randn(2, hkv, L, 16, generator=g, dtype=torch.float64).to(dev, dtype)
+                            v = torch.randn(2, hkv, L, 8, generator=g, dtype=torch.float64).to(dev, dtype)
+                            go = torch.randn(2, 4, L, 8, generator=g, dtype=torch.float64).to(dev, dtype)
+                            xs = [t.clone().requires_grad_() for t in (q, k, v)]
+                            ref = mha_ext.scaled_dot_product_attention(*xs, is_causal=causal, enable_gqa=hkv != 4)
+                            ref_grads = torch.autograd.grad(ref, xs, go)
+                            mine = [shard(t, rank, world, layout).detach().requires_grad_() for t in (q, k, v)]
+                            o = ring_attention(*mine, causal=causal, layout=layout)
+                            grads = torch.autograd.grad(o, mine, shard(go, rank, world, layout))
+                            errs = [(o - shard(ref, rank, world, layout)).abs().max().item()]
+                            errs += [(a - shard(b, rank, world, layout)).abs().max().item()
+                                     for a, b in zip(grads, ref_grads)]
+                            out.append(((str(dtype), causal, layout, hkv), max(errs), tol))
+        elif task == "mismatch":
+            L = 8 if rank == 0 else 10  # shards of unequal length
+            q = torch.randn(1, 2, L, 8)
+            try:
+                ring_attention(q, q, q, layout="contiguous")
+                out.append("no error")
+            except RuntimeError as e:
+                out.append(str(e))
+        results.put((rank, out))
+    except Exception:
+        results.put((rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(world, task, backend="gloo"):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        init_file = os.path.join(d, "init")
+        procs = [ctx.Process(target=_worker, args=(r, world, init_file, task, results, backend)) for r in range(world)]
+        for p in procs:
+            p.start()
+        got = {}
+        try:
+            for _ in range(world):
+                rank, value = results.get(timeout=TIMEOUT_S)
+                got[rank] = value
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    return [got[r] for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ring_attention_matches_single_process(world):
+    per_rank = _launch(world, "parity")
+    for rank, cases in enumerate(per_rank):
+        assert isinstance(cases, list), f"rank {rank} failed:\n{cases}"
+        for case, err, tol in cases:
+            assert err <= tol, (rank, case, err)
+        assert len(cases) == 16
+
+
+def test_ring_attention_mismatched_shards_raise_on_every_rank():
+    per_rank = _launch(2, "mismatch")
+    for rank, msgs in enumerate(per_rank):
+        assert isinstance(msgs, list), f"rank {rank} failed:\n{msgs}"
+        assert "must have the same shapes and dtype on every rank; ranks [1] differ" in msgs[0], msgs[0]
+
+
+def test_shard_and_unshard_are_inverse():
+    from mha_ext.distributed import shard, unshard
+
+    x = torch.arange(2 * 3 * 24 * 4.0).view(2, 3, 24, 4)
+    for world in (1, 2, 3):
+        for layout in ("contiguous", "zigzag"):
+            parts = [shard(x, r, world, layout) for r in range(world)]
+            assert torch.equal(unshard(parts, layout), x)
+    z = [shard(x, r, 3, "zigzag") for r in range(3)]  # rank 0 holds chunks 0 and 5 of 6
+    assert torch.equal(z[0], torch.cat([x[:, :, 0:4], x[:, :, 20:24]], dim=2))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+def test_ring_attention_over_nccl():
+    for rank, cases in enumerate(_launch(2, "parity", backend="nccl")):
+        assert isinstance(cases, list), f"rank {rank} failed:\n{cases}"
+        for case, err, tol in cases:
+            assert err <= tol, (rank, case, err)
