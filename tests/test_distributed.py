@@ -4,8 +4,10 @@ the output and of the q, k, v gradients against single-process
 mha_ext.scaled_dot_product_attention on the whole sequence, for both
 layouts, causal and not, GQA, float64 and float32; a group of size 1; and
 mismatched shards raising the same error on every rank (never a hang: each
-launch has a timeout). NCCL: the same code; the GPU test skips with a reason
-without two GPUs."""
+launch has a timeout). Data-parallel training of a model built on
+mha_ext.MultiheadAttention under DDP (also compiled) and FSDP2 against one
+process on the whole batch. NCCL: the same code; the GPU test skips with a
+reason without two GPUs."""
 import os
 import tempfile
 import traceback
@@ -50,6 +52,8 @@ def _worker(rank, world, init_file, task, results, backend="gloo"):
                             errs += [(a - shard(b, rank, world, layout)).abs().max().item()
                                      for a, b in zip(grads, ref_grads)]
                             out.append(((str(dtype), causal, layout, hkv), max(errs), tol))
+        elif task in ("ddp", "fsdp", "ddp+compile"):
+            out.append(_train(task, rank, world))
         elif task == "mismatch":
             L = 8 if rank == 0 else 10  # shards of unequal length
             q = torch.randn(1, 2, L, 8)
@@ -63,6 +67,76 @@ def _worker(rank, world, init_file, task, results, backend="gloo"):
         results.put((rank, traceback.format_exc()))
     finally:
         dist.destroy_process_group()
+
+
+class _Tiny(torch.nn.Module):
+    """A small attention model built on mha_ext.MultiheadAttention."""
+
+    def __init__(self):
+        super().__init__()
+        import mha_ext
+
+        self.inp = torch.nn.Linear(8, 32)
+        self.attn = mha_ext.MultiheadAttention(32, 4, batch_first=True)
+        self.out = torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(h + self.attn(h, h, h, need_weights=False)[0])
+
+
+def _data():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, 10, 8, generator=g), torch.randn(8, 10, 8, generator=g)
+
+
+def _train(kind, rank, world, steps=3):
+    """Trains _Tiny under DDP or FSDP2 on this rank's part of the batch; returns
+    the largest difference of its parameters from the same model trained in one
+    process on the whole batch."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    ref = _Tiny()
+    torch.manual_seed(0)
+    model = _Tiny()
+    if kind.startswith("ddp"):
+        wrapped = DistributedDataParallel(model)
+        if kind == "ddp+compile":  # the op's fake kernels let the wrapped model compile
+            wrapped = torch.compile(wrapped, backend="aot_eager")
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        wrapped = fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    x, y = _data()
+    n = x.shape[0] // world
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(wrapped(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    diff = 0.0
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        diff = max(diff, (full.detach() - r.detach()).abs().max().item())
+    moved = max((p.detach() - q).abs().max().item() for p, q in zip(ref.parameters(), _Tiny_init()))
+    if kind == "ddp+compile":
+        from torch._dynamo.utils import counters
+
+        assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
+    dist.barrier()
+    return diff, moved
+
+
+def _Tiny_init():
+    torch.manual_seed(0)
+    return [p.detach().clone() for p in _Tiny().parameters()]
 
 
 def _launch(world, task, backend="gloo"):
@@ -94,6 +168,16 @@ def test_ring_attention_matches_single_process(world):
         for case, err, tol in cases:
             assert err <= tol, (rank, case, err)
         assert len(cases) == 16
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "ddp+compile"])
+def test_data_parallel_training_matches_one_process(kind):
+    # 2 processes on half the batch each, 3 SGD steps: the parameters of one process on the whole batch
+    for rank, res in enumerate(_launch(2, kind)):
+        assert isinstance(res, list), f"rank {rank} failed:\n{res}"
+        diff, moved = res[0]
+        assert moved > 1e-3  # training changed the parameters
+        assert diff <= 1e-5, (rank, diff)
 
 
 def test_ring_attention_mismatched_shards_raise_on_every_rank():
