@@ -3,7 +3,7 @@ the longest, run packed (mha_ext.varlen_attention, no work on padding)
 against the padded batch with a key padding mask (mha_ext's dense op and
 F.scaled_dot_product_attention), and mha_ext.MultiheadAttention (which packs
 a bool key_padding_mask itself) against torch.nn.MultiheadAttention. One
-process, interleaved, medians. Peak memory of the attention op is shown too:
+process, interleaved, medians. The attention op's allocations are shown too:
 the fused paths never hold an L x S matrix per head.
 
     python bench/bench_varlen.py            # a few minutes
@@ -80,7 +80,8 @@ def module_fns(B, L, E, H, dtype, backward, seed=0):
 
 
 def peak_bytes(fn):
-    """Peak of the CPU allocator's bytes while fn runs (torch's profiler)."""
+    """The most bytes any one op allocated while fn ran (torch's profiler,
+    summed over that op's calls): for one attention call, its own buffers."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [e for e in prof.key_averages() if e.cpu_memory_usage > 0]
@@ -135,7 +136,8 @@ def main():
     B, H, L, D = op_shapes[-1]
     fns, _ = op_fns(B, H, L, D, torch.float32, False)
     peaks = [peak_bytes(f) for f in fns]
-    lines += ["", f"Peak bytes allocated by one float32 forward at B, H, L, D = {B}, {H}, {L}, {D} (profiler): "
+    lines += ["", f"Bytes allocated by the attention op in one float32 forward at B, H, L, D = {B}, {H}, {L}, {D} "
+              "(torch profiler, the op with the most): "
               f"packed {peaks[0] / 2**20:.1f} MiB, padded mha_ext {peaks[1] / 2**20:.1f} MiB, padded SDPA "
               f"{peaks[2] / 2**20:.1f} MiB; one L x L float32 score matrix per head would be "
               f"{B * H * L * L * 4 / 2**20:.0f} MiB."]
