@@ -79,6 +79,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   Buffer<acc_t> part_o(heads * n_splits * R * Ev), part_m(heads * n_splits * R), part_l(heads * n_splits * R);
   at::parallel_for(0, heads * n_splits, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> qr(R * E), s_buf(R * kBlockN);
+    Buffer<uint16_t> q_bits(std::is_same_v<scalar_t, c10::BFloat16> ? R * E : 0);
     Buffer<acc_t> k_buf(kBlockN * E), v_buf(kBlockN * Ev);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t split = w % n_splits, bk = w / n_splits, b = bk / Hkv, hk = bk % Hkv;
@@ -86,6 +87,8 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
       for (int64_t r = 0; r < R; ++r) {  // row r = g L + i: query row i of head hk G + g, scaled
         const scalar_t* src = q + b * p.q_stride.b + (hk * G + r / L) * p.q_stride.h + (r % L) * p.q_stride.row;
         for (int64_t e = 0; e < E; ++e) qr[r * E + e] = static_cast<acc_t>(src[e * p.q_stride.col]) * scale;
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)  // the unscaled bits, for cpu::dot_rows_bf16
+          for (int64_t e = 0; e < E; ++e) q_bits[r * E + e] = src[e * p.q_stride.col].x;
       }
       acc_t* o = part_o.data() + w * R * Ev;
       acc_t* m = part_m.data() + w * R;
@@ -103,7 +106,17 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
           for (int64_t c = 0; c < n; ++c) prefetch_row(v_tile + c * p.v_stride.row, Ev * sizeof(scalar_t), 1);
         const scalar_t* k_tile = k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row;
         acc_t* s = s_buf.data();
-        if constexpr (kHalfBits) {  // S = Q K^T, a dot product per (row, key), K widened in registers
+        bool scored = false;
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // bfloat16 pairs on AVX512-BF16, then the scale
+          if (p.k_stride.col == 1 &&
+              cpu::dot_rows_bf16(q_bits.data(), R, E, reinterpret_cast<const uint16_t*>(k_tile), p.k_stride.row, n, s,
+                                 n)) {
+            for (int64_t r = 0; r < R; ++r) Ops::scale(s + r * n, n, scale);
+            scored = true;
+          }
+        }
+        if (scored) {
+        } else if constexpr (kHalfBits) {  // S = Q K^T, a dot product per (row, key), K widened in registers
           if (p.k_stride.col == 1) {
             cpu::dot_rows_16(qr.data(), R, E, reinterpret_cast<const uint16_t*>(k_tile), p.k_stride.row, n, s, n,
                              std::is_same_v<scalar_t, c10::BFloat16>);

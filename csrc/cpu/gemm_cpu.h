@@ -84,6 +84,11 @@ void dot_rows(const float* q, int64_t R, int64_t E, const float* k, int64_t ldk,
 // the same with bfloat16 (bf16) or float16 key rows, widened in registers
 void dot_rows_16(const float* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
                  int64_t lds, bool bf16);
+// s[r * lds + c] = dot(q row r, key row c) with bfloat16 q rows (R x E) and
+// key rows on AVX512-BF16 (vdpbf16ps); false (nothing written) where the
+// path in use lacks it
+bool dot_rows_bf16(const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
+                   int64_t lds);
 // dst[i] = float of the bfloat16 / float16 bits src[i] (exact)
 void widen_bf16(const uint16_t* src, int64_t n, float* dst);
 void widen_half(const uint16_t* src, int64_t n, float* dst);
