@@ -5,8 +5,10 @@ travel around the ring with point-to-point sends (public torch.distributed
 APIs; gloo on CPUs, NCCL on GPUs), the next shard's transfer overlapped with
 the attention on the shard in hand, and the partial outputs merge by their
 logsumexp (mha_ext's op returns the natural-log LSE of what it attended). The
-backward sends the key/value gradients around the ring with the shards, so
-after a full turn each rank holds the gradients of its own keys and values.
+backward is a second turn: the shards travel again, overlapped with the
+attention backward on the shard in hand, and their gradients follow one step
+behind, so after the turn each rank holds the gradients of its own keys and
+values.
 
 Sharding layouts (dim -2 of (..., H, L, D) tensors, W ranks):
   "contiguous": rank r holds rows [r n, (r + 1) n) of the L = W n rows;
@@ -173,14 +175,19 @@ class _RingAttention(torch.autograd.Function):
         lc = lse.chunk(n, dim=-2)
         dq = [torch.zeros(c.shape, dtype=acc, device=q.device) for c in qc]
         ring = _Ring(group, rank, world)
-        # the shard in hand travels with its gradient accumulators; after a
-        # full turn (world sends) they are back at their owner
-        travel = [k.contiguous(), v.contiguous(), torch.zeros(k.shape, dtype=acc, device=k.device),
-                  torch.zeros(v.shape, dtype=acc, device=v.device)]
+        # The shard in hand goes on to the next rank while this one works on it.
+        # Its gradients follow one step behind: each rank sums its part into
+        # a fresh buffer while the previous ranks' sum is in flight, adds that
+        # when it arrives and sends the total on; after the last step the
+        # arriving sum is this rank's own shard's, from every rank.
+        kv = [k.contiguous(), v.contiguous()]
+        incoming = None
         for step in range(world):
+            pending_kv = ring.start(kv) if step + 1 < world else None
             src = (rank - step) % world
-            kc, vc = travel[0].chunk(n, dim=-2), travel[1].chunk(n, dim=-2)
-            dkc, dvc = travel[2].chunk(n, dim=-2), travel[3].chunk(n, dim=-2)
+            grads = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
+            kc, vc = kv[0].chunk(n, dim=-2), kv[1].chunk(n, dim=-2)
+            dkc, dvc = grads[0].chunk(n, dim=-2), grads[1].chunk(n, dim=-2)
             for a, b, diag in _pairs(rank, src, world, layout, causal):
                 gq, gk, gv, _ = torch.ops.mha_ext.attention_backward(
                     gc[a], qc[a], kc[b], vc[b], oc[a], lc[a].contiguous(), None, 0.0, diag, scale, gqa,
@@ -188,10 +195,15 @@ class _RingAttention(torch.autograd.Function):
                 dq[a] += gq
                 dkc[b].add_(gk)
                 dvc[b].add_(gv)
-            if world > 1:
-                travel = ring.finish(ring.start(travel))
+            if incoming is not None:
+                for g, earlier in zip(grads, ring.finish(incoming)):
+                    g.add_(earlier)
+            incoming = ring.start(grads) if world > 1 else None
+            if pending_kv is not None:
+                kv = ring.finish(pending_kv)
+        own = ring.finish(incoming) if incoming is not None else grads
         dq = torch.cat(dq, dim=-2).to(q.dtype)
-        return dq, travel[2].to(k.dtype), travel[3].to(v.dtype), None, None, None, None
+        return dq, own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(
@@ -208,7 +220,7 @@ def ring_attention(
     the whole world): q (..., Hq, n, E), k (..., Hkv, n, E), v (..., Hkv, n, Ev)
     are this rank's shards (see the module's layouts); returns this rank's
     shard of the output, (..., Hq, n, Ev). Autograd works (the backward is a
-    second turn of the ring). GQA when Hq is a multiple of Hkv; every dtype.
+    second turn of the ring, its transfers overlapped with compute too). GQA when Hq is a multiple of Hkv; every dtype.
     causal: each query attends to the keys at or before its global position.
     Every rank must call it with the same shapes (checked on every rank)."""
     _check_layout(layout)
