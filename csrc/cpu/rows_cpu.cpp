@@ -50,6 +50,27 @@ __attribute__((target("avx512f"))) inline __mmask16 lanes(int64_t left) {
 // (AMD EPYC, float32, E = 128), with it 24-31.
 constexpr int64_t kAhead = 8;
 
+// The four rows' dot products of key t of a block (the lanes of a0 .. a3
+// summed) into lane t of s0 .. s3; the first rr rows are real.
+__attribute__((target("avx512f"))) inline void gather_sums(int64_t t, int64_t rr, __m512 a0, __m512 a1, __m512 a2,
+                                                           __m512 a3, __m512& s0, __m512& s1, __m512& s2, __m512& s3) {
+  const __mmask16 at = __mmask16(1u << t);
+  s0 = _mm512_mask_mov_ps(s0, at, _mm512_set1_ps(_mm512_reduce_add_ps(a0)));
+  if (rr > 1) s1 = _mm512_mask_mov_ps(s1, at, _mm512_set1_ps(_mm512_reduce_add_ps(a1)));
+  if (rr > 2) s2 = _mm512_mask_mov_ps(s2, at, _mm512_set1_ps(_mm512_reduce_add_ps(a2)));
+  if (rr > 3) s3 = _mm512_mask_mov_ps(s3, at, _mm512_set1_ps(_mm512_reduce_add_ps(a3)));
+}
+
+// The block's nc sums of rr rows into s (row stride lds), one store a row.
+__attribute__((target("avx512f"))) inline void store_sums(float* sc, int64_t lds, int64_t nc, int64_t rr, __m512 s0,
+                                                          __m512 s1, __m512 s2, __m512 s3) {
+  const __mmask16 m = lanes(nc);
+  _mm512_mask_storeu_ps(sc, m, s0);
+  if (rr > 1) _mm512_mask_storeu_ps(sc + lds, m, s1);
+  if (rr > 2) _mm512_mask_storeu_ps(sc + 2 * lds, m, s2);
+  if (rr > 3) _mm512_mask_storeu_ps(sc + 3 * lds, m, s3);
+}
+
 // 16 key elements as floats: float32 as they are, bfloat16 / float16 widened
 // in the register (no widened copy of the tile goes through the caches).
 template <int kKind>  // 0: float32, 1: bfloat16, 2: float16
@@ -95,18 +116,9 @@ __attribute__((target("avx512f"))) void dot_rows_avx512(const float* q, int64_t 
           if (rr > 2) a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q0 + 2 * E + e), kv, a2);
           if (rr > 3) a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q0 + 3 * E + e), kv, a3);
         }
-        const __mmask16 at = __mmask16(1u << t);
-        s0 = _mm512_mask_mov_ps(s0, at, _mm512_set1_ps(_mm512_reduce_add_ps(a0)));
-        if (rr > 1) s1 = _mm512_mask_mov_ps(s1, at, _mm512_set1_ps(_mm512_reduce_add_ps(a1)));
-        if (rr > 2) s2 = _mm512_mask_mov_ps(s2, at, _mm512_set1_ps(_mm512_reduce_add_ps(a2)));
-        if (rr > 3) s3 = _mm512_mask_mov_ps(s3, at, _mm512_set1_ps(_mm512_reduce_add_ps(a3)));
+        gather_sums(t, rr, a0, a1, a2, a3, s0, s1, s2, s3);
       }
-      const __mmask16 m = lanes(nc);
-      float* sc = s + r0 * lds + c0;
-      _mm512_mask_storeu_ps(sc, m, s0);
-      if (rr > 1) _mm512_mask_storeu_ps(sc + lds, m, s1);
-      if (rr > 2) _mm512_mask_storeu_ps(sc + 2 * lds, m, s2);
-      if (rr > 3) _mm512_mask_storeu_ps(sc + 3 * lds, m, s3);
+      store_sums(s + r0 * lds + c0, lds, nc, rr, s0, s1, s2, s3);
     }
   }
 }
@@ -135,18 +147,9 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void dot_rows_bf
           if (rr > 2) a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_maskz_loadu_epi16(m, q0 + 2 * E + e), kv);
           if (rr > 3) a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_maskz_loadu_epi16(m, q0 + 3 * E + e), kv);
         }
-        const __mmask16 at = __mmask16(1u << t);
-        s0 = _mm512_mask_mov_ps(s0, at, _mm512_set1_ps(_mm512_reduce_add_ps(a0)));
-        if (rr > 1) s1 = _mm512_mask_mov_ps(s1, at, _mm512_set1_ps(_mm512_reduce_add_ps(a1)));
-        if (rr > 2) s2 = _mm512_mask_mov_ps(s2, at, _mm512_set1_ps(_mm512_reduce_add_ps(a2)));
-        if (rr > 3) s3 = _mm512_mask_mov_ps(s3, at, _mm512_set1_ps(_mm512_reduce_add_ps(a3)));
+        gather_sums(t, rr, a0, a1, a2, a3, s0, s1, s2, s3);
       }
-      const __mmask16 m = lanes(nc);
-      float* sc = s + r0 * lds + c0;
-      _mm512_mask_storeu_ps(sc, m, s0);
-      if (rr > 1) _mm512_mask_storeu_ps(sc + lds, m, s1);
-      if (rr > 2) _mm512_mask_storeu_ps(sc + 2 * lds, m, s2);
-      if (rr > 3) _mm512_mask_storeu_ps(sc + 3 * lds, m, s3);
+      store_sums(s + r0 * lds + c0, lds, nc, rr, s0, s1, s2, s3);
     }
   }
 }
