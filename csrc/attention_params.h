@@ -38,6 +38,14 @@ struct DropoutParams {
   // ops can be captured in a CUDA graph.
   const int64_t* seed_ptr = nullptr;
   const int64_t* offset_ptr = nullptr;
+  // The frame (an rng_state of 5 entries: seed, offset, rows, row0, col0):
+  // the call's (L x S) scores of each (b, h) are rows row0 .. and columns
+  // col0 .. of one attention with `rows` query rows per (b, h), so blocks
+  // of a sequence attended piecewise (ring attention) draw the mask of the
+  // whole. rows = 0: no frame, the call is the whole. frame_ptr: the three
+  // values in device memory, as seed_ptr.
+  int64_t frame_rows = 0, frame_row0 = 0, frame_col0 = 0;
+  const int64_t* frame_ptr = nullptr;
   MHA_HOST_DEVICE bool enabled() const { return p > 0.0; }
   MHA_HOST_DEVICE uint64_t seed_value() const {
     return seed_ptr != nullptr ? static_cast<uint64_t>(*seed_ptr) : seed;
@@ -46,6 +54,14 @@ struct DropoutParams {
     return offset_ptr != nullptr ? static_cast<uint64_t>(*offset_ptr) + offset : offset;
   }
 };
+
+struct DropoutFrame {
+  int64_t rows = 0, row0 = 0, col0 = 0;
+};
+MHA_HOST_DEVICE DropoutFrame dropout_frame(const DropoutParams& d) {
+  if (d.frame_ptr != nullptr) return DropoutFrame{d.frame_ptr[0], d.frame_ptr[1], d.frame_ptr[2]};
+  return DropoutFrame{d.frame_rows, d.frame_row0, d.frame_col0};
+}
 
 // The attention variants: which keys a query row may see and how a score is
 // changed before the softmax. Each backend applies it in one place (the CPU's
@@ -129,6 +145,11 @@ struct AttentionFwdParams {
   MHA_HOST_DEVICE int64_t group_size() const { return heads_q / heads_kv; }
   MHA_HOST_DEVICE int64_t lse_index(int64_t b, int64_t h, int64_t i) const {
     return b * lse_stride_b + h * lse_stride_h + row0_q + i;
+  }
+  // The dropout row (dropout.h) of row i of (b, h): its lse entry's index,
+  // or its row in the frame f (dense ops only).
+  MHA_HOST_DEVICE uint64_t dropout_row(const DropoutFrame& f, int64_t b, int64_t h, int64_t i) const {
+    return static_cast<uint64_t>(f.rows > 0 ? (b * heads_q + h) * f.rows + f.row0 + i : lse_index(b, h, i));
   }
 };
 

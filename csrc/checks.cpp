@@ -278,14 +278,22 @@ void check_dropout_p(double dropout_p) {
               format_float(dropout_p));
 }
 
-void check_rng_state(const at::Tensor& r, const at::Device& query_device) {
+void check_rng_state(const at::Tensor& r, const at::Device& query_device, int64_t frame_len_q) {
   const bool placed = r.device().is_cpu() || r.device() == query_device;
-  TORCH_CHECK(r.scalar_type() == at::kLong && r.numel() == 2 && r.dim() == 1 && placed,
-              "rng_state must be an int64 tensor of shape (2) holding (seed, offset) ",
+  const bool framed = frame_len_q >= 0 && r.numel() == 5;
+  TORCH_CHECK(r.scalar_type() == at::kLong && (r.numel() == 2 || framed) && r.dim() == 1 && placed,
+              "rng_state must be an int64 tensor of shape (2) holding (seed, offset)",
+              frame_len_q >= 0 ? " or of shape (5) holding (seed, offset, rows, row0, col0)" : "", " ",
               query_device.is_cpu() ? std::string("on the CPU")
                                     : "on the CPU or on query's device (" + query_device.str() + ")",
               ", got ", dtype_name(r.scalar_type()), " of shape ", format_shape(r.sizes()), " on ",
               r.device().str());
+  if (!framed || !r.device().is_cpu()) return;
+  const at::Tensor c = r.contiguous();
+  const int64_t* f = c.const_data_ptr<int64_t>() + 2;
+  TORCH_CHECK(f[1] >= 0 && f[2] >= 0 && f[0] >= f[1] + frame_len_q,
+              "rng_state's dropout frame (rows, row0, col0) must have row0 >= 0, col0 >= 0 and rows >= row0 + ",
+              frame_len_q, " (the query length), got (", f[0], ", ", f[1], ", ", f[2], ")");
 }
 
 void check_same_shape(const char* name, const at::Tensor& t, at::IntArrayRef expected,

@@ -65,8 +65,11 @@ void check_variant(const AttentionShape& s, const at::Tensor& query, int64_t win
 void check_dropout_p(double dropout_p);
 
 // rng_state: int64 (seed, offset), on the CPU or on query's device (where a
-// kernel reads it without a host sync, e.g. inside a CUDA graph).
-void check_rng_state(const at::Tensor& rng_state, const at::Device& query_device);
+// kernel reads it without a host sync, e.g. inside a CUDA graph). With
+// frame_len_q >= 0 (the dense ops; the query length) it may also be
+// (seed, offset, rows, row0, col0), a dropout frame (DropoutParams), whose
+// values are checked when they are on the CPU.
+void check_rng_state(const at::Tensor& rng_state, const at::Device& query_device, int64_t frame_len_q = -1);
 
 // Checks that `name` has exactly `expected` sizes (and query's dtype/device
 // unless `dtype` is given).

@@ -45,20 +45,24 @@ inline at::ScalarType acc_type_of(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// The dropout contract of dropout.h for probability p and (seed, offset):
-// read here from a CPU rng_state; a kernel reads one on another device.
+// The dropout contract of dropout.h for probability p and (seed, offset)
+// (and the frame, for 5 entries): read here from a CPU rng_state; a kernel
+// reads one on another device.
 inline DropoutParams dropout_params(double p, const at::Tensor& rng_state) {
   const int64_t* r = rng_state.const_data_ptr<int64_t>();
   DropoutParams d;
   d.p = p;
   d.rescale = 1.0 / (1.0 - p);
   d.drop_threshold = static_cast<uint32_t>(std::floor(p * 4294967296.0));
+  const bool framed = rng_state.numel() == 5;
   if (rng_state.device().is_cpu()) {
     d.seed = static_cast<uint64_t>(r[0]);
     d.offset = static_cast<uint64_t>(r[1]);
+    if (framed) d.frame_rows = r[2], d.frame_row0 = r[3], d.frame_col0 = r[4];
   } else {
     d.seed_ptr = r;
     d.offset_ptr = r + 1;
+    if (framed) d.frame_ptr = r + 2;
   }
   return d;
 }
@@ -168,7 +172,7 @@ ForwardCall prepare_forward(const at::Tensor& query, const at::Tensor& key, cons
   check_variant(c.s, query, va.window_left, va.window_right, va.softcap, va.alibi_slopes);
   check_backend(c.s);
   if (dropout_p > 0.0) {
-    if (rng_state.has_value()) check_rng_state(*rng_state, query.device());
+    if (rng_state.has_value()) check_rng_state(*rng_state, query.device(), c.s.len_q);
     c.rng_state = rng_state.has_value() ? rng_state->clone() : draw();
   } else {
     c.rng_state = at::zeros({2}, query.options().dtype(at::kLong));
@@ -214,7 +218,7 @@ BackwardCall prepare_backward(const at::Tensor& grad_out, const at::Tensor& quer
   check_same_shape("out", out, out_sizes, query);
   check_same_shape("logsumexp", logsumexp, with_batch(s, {s.heads_q, s.len_q}), query,
                    acc_type_of(query.scalar_type()));
-  if (dropout_p > 0.0) check_rng_state(rng_state, query.device());
+  if (dropout_p > 0.0) check_rng_state(rng_state, query.device(), s.len_q);
   c.want_mask_grad = attn_mask_requires_grad && attn_mask.has_value() && attn_mask->scalar_type() != at::kBool;
   c.has_heads = s.batch * s.heads_q > 0;
   if (!c.has_heads) return c;

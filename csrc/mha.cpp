@@ -22,7 +22,11 @@ TORCH_LIBRARY(mha_ext, m) {
   // (seed, offset) used for dropout: a copy of rng_state when given (on the
   // CPU or on query's device), else drawn from the generator of query's
   // device (on a GPU by device ops, so a captured CUDA graph draws anew on
-  // each replay) and returned on query's device.
+  // each replay) and returned on query's device. A given rng_state may also
+  // hold (seed, offset, rows, row0, col0), a dropout frame: the call's scores
+  // are rows row0 .. row0 + L - 1 and columns col0 .. of an attention with
+  // `rows` query rows, and draw that attention's dropout mask (ring attention
+  // attends a sequence block by block with the mask of the whole).
   m.def(mha_ext::kAttentionSchema);
 
   // Fused backward of `attention`: recomputes the probabilities from the

@@ -131,12 +131,17 @@ def check_dropout_p(dropout_p):
     _check(0.0 <= dropout_p < 1.0, lambda: f"dropout_p must be in [0, 1), got {dropout_p:g}")
 
 
-def check_rng_state(r, query_device):
+def check_rng_state(r, query_device, frame_len_q=None):
+    """rng_state: (seed, offset); for the dense ops (frame_len_q, the query
+    length, given) also (seed, offset, rows, row0, col0), a dropout frame."""
     placed = r.device.type == "cpu" or r.device == query_device
+    framed = frame_len_q is not None and r.numel() == 5
     where = "on the CPU" if query_device.type == "cpu" else f"on the CPU or on query's device ({query_device})"
+    shapes = "(2) holding (seed, offset)" + (
+        " or of shape (5) holding (seed, offset, rows, row0, col0)" if frame_len_q is not None else "")
     _check(
-        r.dtype == torch.int64 and r.numel() == 2 and r.dim() == 1 and placed,
-        lambda: f"rng_state must be an int64 tensor of shape (2) holding (seed, offset) {where}, got "
+        r.dtype == torch.int64 and (r.numel() == 2 or framed) and r.dim() == 1 and placed,
+        lambda: f"rng_state must be an int64 tensor of shape {shapes} {where}, got "
         f"{r.dtype} of shape {_fmt(r.shape)} on {r.device}",
     )
 
@@ -160,11 +165,12 @@ def _attention_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     check_variant(query, batch, hq, window_left, window_right, softcap, alibi_slopes)
     given = dropout_p > 0.0 and rng_state is not None
     if given:
-        check_rng_state(rng_state, query.device)
+        check_rng_state(rng_state, query.device, L)
     out = query.new_empty(batch + (hq, L, ev))
     lse = query.new_empty(batch + (hq, L), dtype=_acc_dtype(query.dtype))
     # a copy of the given rng_state, else one on query's device (drawn, or zeros without dropout)
-    rng = torch.empty(2, dtype=torch.int64, device=rng_state.device if given else query.device)
+    rng = torch.empty(rng_state.shape if given else 2, dtype=torch.int64,
+                      device=rng_state.device if given else query.device)
     return out, lse, rng
 
 
@@ -178,7 +184,7 @@ def _attention_backward_fake(grad_out, query, key, value, out, logsumexp, attn_m
     _check_same_shape("out", out, batch + (hq, L, ev), query)
     _check_same_shape("logsumexp", logsumexp, batch + (hq, L), query, _acc_dtype(query.dtype))
     if dropout_p > 0.0:
-        check_rng_state(rng_state, query.device)
+        check_rng_state(rng_state, query.device, L)
     want_mask = attn_mask_requires_grad and attn_mask is not None and attn_mask.dtype != torch.bool
     grad_mask = attn_mask.new_empty(attn_mask.shape) if want_mask else query.new_empty((0,))
     return (
@@ -191,9 +197,9 @@ def _attention_backward_fake(grad_out, query, key, value, out, logsumexp, attn_m
 
 @torch.library.register_fake("mha_ext::dropout_mask")
 def _dropout_mask_fake(rng_state, shape, dropout_p):
-    check_rng_state(rng_state, torch.device("cpu"))
-    check_dropout_p(dropout_p)
     _check(len(shape) > 0, lambda: "shape must have at least 1 dim, got ()")
+    check_rng_state(rng_state, torch.device("cpu"), shape[-2] if len(shape) >= 2 else 1)
+    check_dropout_p(dropout_p)
     return torch.empty(shape, dtype=torch.bool, device=rng_state.device)
 
 

@@ -265,6 +265,21 @@ def test_emul_dropout_forward_and_backward_match_cpu(backend, dtype):
     assert_all_like_cpu(ours[:3], cpu[:3], references(q, k, v, go, **kw), dtype)
 
 
+def test_emul_dropout_frame_matches_reference(backend):
+    # a block (rows 13.., columns 7..) of a larger attention draws that block of its mask
+    q, k, v = make((1, 4, 2, 40, 70, 32, 16), torch.float64)
+    rng = torch.tensor([987654321, 4242, 100, 13, 7], dtype=torch.long)
+    out, lse, _ = backend.attention(q, k, v, None, 0.2, False, None, True, rng)
+    keep = R.dropout_keep(987654321, 4242, (1, 4, 100, 77), 0.2)[..., 13:53, 7:77]
+    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = R.attention(*xs, enable_gqa=True, keep=keep, dropout_p=0.2)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    go = torch.randn_like(out)
+    ours = _backward(backend, q, k, v, out, lse, go, None, 0.2, False, None, True, rng)
+    for a, b in zip(ours[:3], torch.autograd.grad(ref, xs, go)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
 def test_emul_strided_and_batched_inputs(backend):
     # (N1, N2, L, H, E) transposed to (N1, N2, H, L, E); key/value expanded over N2
     q = torch.randn(2, 3, 19, 2, 24, dtype=torch.float64).transpose(-3, -2)

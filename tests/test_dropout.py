@@ -107,3 +107,40 @@ def test_unbiased():
     mean, sem = draws.mean(0), draws.std(0) / 2000**0.5
     z = ((mean - exact).abs() / sem).max().item()
     assert z < 5.5, z
+
+
+# A dropout frame (rng_state (seed, offset, rows, row0, col0)): the call's
+# scores are a block of a larger attention and draw that block of its mask.
+# col0 = 7 and 6 start the block off the Philox groups of 4 columns.
+@pytest.mark.parametrize("row0,col0", [(0, 0), (13, 7), (40, 6)])
+def test_dropout_frame_draws_the_block_of_the_whole_mask(row0, col0):
+    seed, offset, rows, cols, p = 2**40 + 9, 31, 90, 400, 0.3
+    whole = R.dropout_keep(seed, offset, (2, 4, rows, cols), p)
+    L, S = 50, 150
+    rng = torch.tensor([seed, offset, rows, row0, col0], dtype=torch.int64)
+    keep = whole[..., row0:row0 + L, col0:col0 + S]
+    assert torch.equal(torch.ops.mha_ext.dropout_mask(rng, [2, 4, L, S], p), keep)
+    q = torch.randn(2, 4, L, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, S, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, S, 8, dtype=torch.float64, requires_grad=True)
+    out, _, used = torch.ops.mha_ext.attention(q, k, v, None, p, True, None, True, rng)
+    assert torch.equal(used, rng)
+    ref = R.attention(q, k, v, is_causal=True, enable_gqa=True, keep=keep, dropout_p=p)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_dropout_frame_errors():
+    q = torch.randn(1, 2, 10, 8)
+    for bad in ([1, 2, 9, 0, 0], [1, 2, 20, -1, 0], [1, 2, 20, 0, -3]):  # rows < row0 + L, negative offsets
+        with pytest.raises(RuntimeError, match=r"rng_state's dropout frame \(rows, row0, col0\) must have row0 >= 0, "
+                                               r"col0 >= 0 and rows >= row0 \+ 10 \(the query length\)"):
+            torch.ops.mha_ext.attention(q, q, q, None, 0.2, False, None, False, torch.tensor(bad))
+    # the varlen ops take (seed, offset) only: their rows are packed sequences
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"rng_state must be an int64 tensor of shape \(2\) holding \(seed, offset\) "
+                                           r"on the CPU, got torch.int64 of shape \(5\)"):
+        torch.ops.mha_ext.varlen_attention(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), cu, cu,
+                                           10, 10, 0.2, False, None, torch.tensor([1, 2, 20, 0, 0]))

@@ -47,11 +47,11 @@ CASES = {
     "dropout one": ((t(*Q), t(*K), t(*V), None, 1.0), "dropout_p must be in [0, 1), got 1"),
     "dropout negative": ((t(*Q), t(*K), t(*V), None, -0.25), "dropout_p must be in [0, 1), got -0.25"),
     "rng_state dtype": ((t(*Q), t(*K), t(*V), None, 0.1, False, None, False, torch.zeros(2, dtype=torch.int32)),
-                        "rng_state must be an int64 tensor of shape (2) holding (seed, offset) on the CPU, got torch.int32 "
-                        "of shape (2) on cpu"),
+                        "rng_state must be an int64 tensor of shape (2) holding (seed, offset) or of shape (5) holding "
+                        "(seed, offset, rows, row0, col0) on the CPU, got torch.int32 of shape (2) on cpu"),
     "rng_state shape": ((t(*Q), t(*K), t(*V), None, 0.1, False, None, False, torch.zeros(3, dtype=torch.int64)),
-                        "rng_state must be an int64 tensor of shape (2) holding (seed, offset) on the CPU, got torch.int64 "
-                        "of shape (3) on cpu"),
+                        "rng_state must be an int64 tensor of shape (2) holding (seed, offset) or of shape (5) holding "
+                        "(seed, offset, rows, row0, col0) on the CPU, got torch.int64 of shape (3) on cpu"),
 }
 
 

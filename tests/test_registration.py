@@ -24,6 +24,7 @@ ATTENTION_CASES = {
     "bool mask + dropout": lambda: (*_args(), torch.rand(2, 1, 6, 5) > 0.3, 0.2, False, None, True,
                                     torch.tensor([5, 9], dtype=torch.int64)),
     "float32": lambda: (*_args(torch.float32), None, 0.0, True, None, True, None),
+    "dropout frame": lambda: (*_args(), None, 0.3, True, None, True, torch.tensor([5, 9, 20, 3, 5])),
 }
 
 
@@ -46,6 +47,8 @@ def test_opcheck_attention_backward(mask_grad):
 def test_opcheck_dropout_mask():
     torch.library.opcheck(torch.ops.mha_ext.dropout_mask.default,
                           (torch.tensor([3, 4], dtype=torch.int64), [2, 3, 4, 5], 0.5))
+    torch.library.opcheck(torch.ops.mha_ext.dropout_mask.default,
+                          (torch.tensor([3, 4, 9, 2, 7], dtype=torch.int64), [2, 3, 4, 5], 0.5))
 
 
 class TinyLM(nn.Module):

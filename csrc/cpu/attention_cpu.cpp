@@ -146,20 +146,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   return {grad_q, grad_k, grad_v, grad_mask};
 }
 
-at::Tensor dropout_mask_cpu(const at::Tensor& rng_state,  // int64 (seed, offset), CPU
+at::Tensor dropout_mask_cpu(const at::Tensor& rng_state,  // int64 (seed, offset[, rows, row0, col0]), CPU
                             at::IntArrayRef shape,        // (N..., H, L, S)
                             double dropout_p) {
-  check_rng_state(rng_state, at::Device(at::kCPU));
-  check_dropout_p(dropout_p);
   TORCH_CHECK(!shape.empty(), "shape must have at least 1 dim, got ()");
+  const int64_t L = shape.size() >= 2 ? shape[shape.size() - 2] : 1;
+  check_rng_state(rng_state, at::Device(at::kCPU), L);
+  check_dropout_p(dropout_p);
   at::Tensor keep = at::empty(shape, at::TensorOptions().dtype(at::kBool));
   const int64_t S = shape.back();
   const int64_t rows = S == 0 ? 0 : keep.numel() / S;
   const DropoutParams d = dropout_params(dropout_p, rng_state.contiguous());
+  const DropoutFrame f = dropout_frame(d);
   uint8_t* dst = reinterpret_cast<uint8_t*>(keep.data_ptr<bool>());
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      dropout_keep_row_cpu(d, static_cast<uint64_t>(r), 0, S, dst + r * S);
+    for (int64_t r = begin; r < end; ++r) {  // r = (b H + h) L + i
+      const int64_t id = f.rows > 0 ? (r / L) * f.rows + f.row0 + r % L : r;
+      dropout_keep_row_cpu(d, static_cast<uint64_t>(id), 0, S, dst + r * S);
     }
   });
   return keep;

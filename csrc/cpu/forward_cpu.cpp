@@ -17,6 +17,7 @@
 namespace mha_ext {
 
 void dropout_keep_row_cpu(const DropoutParams& d, uint64_t row, int64_t j0, int64_t n, uint8_t* keep) {
+  j0 += dropout_frame(d).col0;
   int64_t t = 0;
   const int64_t head = std::min<int64_t>(n, (4 - (j0 & 3)) & 3);  // up to a multiple of 4
   if (head > 0) dropout_keep_row(d.seed, d.offset, row, j0, head, d.drop_threshold, keep);

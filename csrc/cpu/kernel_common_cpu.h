@@ -425,9 +425,10 @@ void pack_v_pairs(const c10::BFloat16* v, int64_t rs, int64_t cs, int64_t n, int
 }
 
 
-// The dropout draws of row i of (b, h) are those of its lse entry's index.
+// The dropout draws of row i of (b, h): its lse entry's index, or its row in
+// the dropout frame.
 inline uint64_t dropout_row_id(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i) {
-  return static_cast<uint64_t>(p.lse_index(b, h, i));
+  return p.dropout_row(dropout_frame(p.dropout), b, h, i);
 }
 
 // Keys [begin, end) that some row of the block [i0, i0 + m) may see (both

@@ -21,8 +21,8 @@ void attention_fwd_kernel(const AttentionFwdParams& p);
 template <typename scalar_t>
 void attention_bwd_kernel(const AttentionBwdParams& p);
 
-// dropout_keep_row (dropout.h), vectorised for the CPU: keep[t] for columns
-// j0 .. j0 + n - 1 of attention row `row`.
+// dropout_keep_row (dropout.h), vectorised for the CPU: keep[t] for the
+// call's columns j0 .. j0 + n - 1 (plus the dropout frame's col0) of row `row`.
 void dropout_keep_row_cpu(const DropoutParams& d, uint64_t row, int64_t j0, int64_t n, uint8_t* keep);
 
 }  // namespace mha_ext

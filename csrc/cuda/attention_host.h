@@ -137,6 +137,7 @@ inline void read_rng_on_device(DropoutParams& d, const at::Tensor& rng_state, co
   d.seed_ptr = rng_state.const_data_ptr<int64_t>();
   d.offset_ptr = d.seed_ptr + 1;
   d.offset = 0;
+  if (rng_state.numel() == 5) d.frame_ptr = d.seed_ptr + 2;
 }
 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_fwd_device(

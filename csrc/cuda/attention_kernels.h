@@ -170,17 +170,22 @@ MHA_DEVICE A score_slope(const AttentionFwdParams& p, A s) {
 // (b, h, i, j) is kept.
 struct DropoutKey {
   uint64_t seed = 0, offset = 0;
+  DropoutFrame frame;
 };
 MHA_DEVICE DropoutKey dropout_key(const DropoutParams& d) {
-  return d.enabled() ? DropoutKey{d.seed_value(), d.offset_value()} : DropoutKey{};
+  return d.enabled() ? DropoutKey{d.seed_value(), d.offset_value(), dropout_frame(d)} : DropoutKey{};
 }
-// the row's draws are those of its lse entry's index, as on the CPU
-MHA_DEVICE uint64_t dropout_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i) {
-  return static_cast<uint64_t>(p.lse_index(b, h, i));
+// the row's draws are those of its lse entry's index (or of its row in the
+// frame), as on the CPU
+MHA_DEVICE uint64_t dropout_row(const AttentionFwdParams& p, const DropoutKey& key, int64_t b, int64_t h, int64_t i) {
+  return p.dropout_row(key.frame, b, h, i);
 }
-MHA_DEVICE bool dropout_keep(const DropoutParams& d, DropoutKey key, uint64_t row, int64_t j) {
-  const Philox4 r = philox4x32_10(key.seed, row, key.offset + static_cast<uint64_t>(j >> 2));
-  return r.w[j & 3] >= d.drop_threshold;
+// the draws of the call's column j: those of column j + col0 of the frame
+MHA_DEVICE Philox4 dropout_draws(const DropoutKey& key, uint64_t row, int64_t j) {
+  return philox4x32_10(key.seed, row, key.offset + static_cast<uint64_t>((j + key.frame.col0) >> 2));
+}
+MHA_DEVICE bool dropout_keep(const DropoutParams& d, const DropoutKey& key, uint64_t row, int64_t j) {
+  return dropout_draws(key, row, j).w[(j + key.frame.col0) & 3] >= d.drop_threshold;
 }
 
 // Sum / max over the 4 lanes that share a row (lanes 4g .. 4g + 3).
@@ -267,10 +272,13 @@ MHA_UNROLL
         A p1 = m_run[r] == A(-INFINITY) ? A(0) : fexp(s[t][e + 1] - m_run[r]);
         part[r] += p0 + p1;
         if (p.dropout.enabled() && i < L) {
-          // columns j, j + 1 share one Philox block (j even, tiles start at multiples of 16)
-          const Philox4 w = philox4x32_10(key.seed, dropout_row(p, b, h, i), key.offset + static_cast<uint64_t>(j >> 2));
-          p0 = w.w[j & 3] >= p.dropout.drop_threshold ? p0 * rescale : A(0);
-          p1 = w.w[(j + 1) & 3] >= p.dropout.drop_threshold ? p1 * rescale : A(0);
+          // columns j, j + 1 (j even) share one Philox block unless the frame's col0 is odd
+          const uint64_t row = dropout_row(p, key, b, h, i);
+          const int64_t jf = j + key.frame.col0;
+          const Philox4 w = dropout_draws(key, row, j);
+          const Philox4 w1 = ((jf + 1) & 3) == 0 ? dropout_draws(key, row, j + 1) : w;
+          p0 = w.w[jf & 3] >= p.dropout.drop_threshold ? p0 * rescale : A(0);
+          p1 = w1.w[(jf + 1) & 3] >= p.dropout.drop_threshold ? p1 * rescale : A(0);
         }
         T* dst = p_s + (warp * 16 + MmaLayout::c_row(lane, e)) * kLdP + 8 * t + MmaLayout::c_col(lane, e);
         dst[0] = to_elem<T>(p0);
@@ -329,7 +337,7 @@ MHA_DEVICE void prob_and_grad(const AttentionBwdParams& p, DropoutKey key, int64
   A pr = fexp((x < A(0) ? x : A(0)) - log_norm);
   if (p.dropout.enabled()) {
     // O = sum_j P_j z_j V_j / (1 - p): dP_j picks up z_j / (1 - p), and dV takes the dropped P.
-    const bool keep = dropout_keep(p.dropout, key, dropout_row(p, b, h, i), j);
+    const bool keep = dropout_keep(p.dropout, key, dropout_row(p, key, b, h, i), j);
     const A rescale = static_cast<A>(p.dropout.rescale);
     dp = keep ? dp * rescale : A(0);
     ds = pr * (dp - d);
