@@ -16,6 +16,7 @@ Sharding layouts (dim -2 of (..., H, L, D) tensors, W ranks):
                 2W - 1 - r, so under causal attention every rank does the same
                 work (shard() / unshard() convert).
 """
+import time
 from typing import Optional
 
 import torch
@@ -59,29 +60,31 @@ def _check_layout(layout):
         raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
 
 
-def _check_same_on_every_rank(q, k, v, group, world, layout):
-    """Shapes, dtypes and the layout's divisibility, compared across ranks with one
-    all_gather: every rank sees the same list, so every rank raises the same
-    error (no rank is left waiting in a send)."""
+def _check_same_on_every_rank(q, k, v, group, world, layout, dropout_p, rng):
+    """Shapes, dtypes, dropout_p and the layout's divisibility, compared across
+    ranks with one all_gather: every rank sees the same list, so every rank
+    raises the same error (no rank is left waiting in a send). The same
+    all_gather hands every rank rank 0's dropout (seed, offset), returned."""
     def code(t):
         return [t.dim()] + list(t.shape) + [0] * (8 - t.dim())
 
-    mine = torch.tensor(code(q) + code(k) + code(v) + [_FLOAT_CODES.get(q.dtype, -1)], dtype=torch.int64)
-    if q.device.type != "cpu":
-        mine = mine.to(q.device)
+    p_bits = torch.tensor([dropout_p], dtype=torch.float64).view(torch.int64).item()
+    mine = torch.tensor(code(q) + code(k) + code(v) + [_FLOAT_CODES.get(q.dtype, -1), p_bits], dtype=torch.int64)
+    mine = torch.cat([mine.to(rng.device), rng])
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
-    rows = [e.cpu().tolist() for e in every]
+    rows = [e.cpu().tolist()[:-2] for e in every]
     if any(r != rows[0] for r in rows):
         bad = [i for i, r in enumerate(rows) if r != rows[0]]
-        raise RuntimeError(f"ring_attention: q, k, v must have the same shapes and dtype on every rank; ranks {bad} "
-                           f"differ from rank 0 (shards of unequal length?)")
+        raise RuntimeError(f"ring_attention: q, k, v must have the same shapes and dtype, and dropout_p the same "
+                           f"value, on every rank; ranks {bad} differ from rank 0 (shards of unequal length?)")
     if q.shape[-2] != k.shape[-2]:
         raise RuntimeError(f"ring_attention: q and k shards must have the same length, got {q.shape[-2]} and "
                            f"{k.shape[-2]}")
     if layout == "zigzag" and q.shape[-2] % 2 != 0:
         raise RuntimeError(f"ring_attention: a zigzag shard holds two equal chunks; its length must be even, got "
                            f"{q.shape[-2]}")
+    return every[0][-2:]
 
 
 _FLOAT_CODES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
@@ -99,7 +102,11 @@ def _merge(out, lse, part, part_lse):
 
 class _Ring:
     """Sends this rank's buffers to the next rank and receives the previous
-    rank's, started before the compute on the buffers in hand."""
+    rank's, started before the compute on the buffers in hand. waited_s sums
+    the time this process spent blocked in finish() (the transfer time not
+    hidden behind compute; bench/bench_ring.py reads it)."""
+
+    waited_s = 0.0
 
     def __init__(self, group, rank, world):
         self.group, self.world = group, world
@@ -115,32 +122,54 @@ class _Ring:
     @staticmethod
     def finish(pending):
         reqs, recv = pending
+        t = time.perf_counter()
         for r in reqs:
             r.wait()
+        _Ring.waited_s += time.perf_counter() - t
         return recv
 
 
-def _pairs(rank, src, world, layout, causal):
-    """(local q chunk, local kv chunk, is_causal) for the chunk pairs that attend:
-    a kv chunk after the q chunk is skipped under causal, the same chunk is the
-    causal diagonal (equal lengths: top-left)."""
+def _draw_rng(q, k, world, dropout_p):
+    """The dropout (seed, offset) that one process attending the whole
+    sequence would draw (the op draws it, from the generator of q's device,
+    for a call with no query rows and the whole key length); zeros without
+    dropout."""
+    if dropout_p == 0.0 or k.shape[-2] == 0:
+        return torch.zeros(2, dtype=torch.int64, device=q.device)
+    whole = k[..., :1, :].expand(*k.shape[:-2], k.shape[-2] * world, k.shape[-1])
+    _, _, rng = torch.ops.mha_ext.attention(q[..., :0, :], whole, whole, None, dropout_p, False, None,
+                                            q.shape[-3] != k.shape[-3])
+    return rng
+
+
+def _pairs(rank, src, world, layout, causal, chunk, rng):
+    """(local q chunk, local kv chunk, is_causal, rng_state) for the chunk pairs
+    that attend: a kv chunk after the q chunk is skipped under causal, the same
+    chunk is the causal diagonal (equal lengths: top-left). With dropout,
+    rng_state carries the pair's place in the whole attention (the op's
+    dropout frame), so its mask is that of one process on the whole sequence."""
     out = []
+    rows = chunk * (1 if layout == "contiguous" else 2) * world
     for a, qa in enumerate(_chunks_of(rank, world, layout)):
         for b, kb in enumerate(_chunks_of(src, world, layout)):
-            if not causal or kb < qa:
-                out.append((a, b, False))
-            elif kb == qa:
-                out.append((a, b, True))
+            if causal and kb > qa:
+                continue
+            frame = None
+            if rng is not None:
+                frame = torch.cat([rng, torch.tensor([rows, qa * chunk, kb * chunk], dtype=torch.int64).to(rng.device)])
+            out.append((a, b, causal and kb == qa, frame))
     return out
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, layout):
+    def forward(ctx, q, k, v, group, causal, scale, layout, dropout_p):
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
-        _check_same_on_every_rank(q, k, v, group, world, layout)
         gqa = q.shape[-3] != k.shape[-3]
+        rng = _check_same_on_every_rank(q, k, v, group, world, layout, dropout_p,
+                                        _draw_rng(q, k, world, dropout_p))
+        rng = rng if dropout_p > 0.0 else None
         n = 1 if layout == "contiguous" else 2
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         qc = q.chunk(n, dim=-2)
@@ -152,21 +181,21 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start(kv) if step + 1 < world else None
             src = (rank - step) % world
             kc, vc = kv[0].chunk(n, dim=-2), kv[1].chunk(n, dim=-2)
-            for a, b, diag in _pairs(rank, src, world, layout, causal):
-                o, l, _ = torch.ops.mha_ext.attention(qc[a], kc[b], vc[b], None, 0.0, diag, scale, gqa, None)
+            for a, b, diag, frame in _pairs(rank, src, world, layout, causal, qc[0].shape[-2], rng):
+                o, l, _ = torch.ops.mha_ext.attention(qc[a], kc[b], vc[b], None, dropout_p, diag, scale, gqa, frame)
                 out[a], lse[a] = _merge(out[a], lse[a], o, l)
             if pending is not None:
                 kv = ring.finish(pending)
         out = torch.cat(out, dim=-2).to(q.dtype)
         lse = torch.cat(lse, dim=-2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, scale, layout)
+        ctx.args = (group, causal, scale, layout, dropout_p, rng)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, layout = ctx.args
+        group, causal, scale, layout, dropout_p, rng = ctx.args
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         gqa = q.shape[-3] != k.shape[-3]
         n = 1 if layout == "contiguous" else 2
@@ -188,10 +217,10 @@ class _RingAttention(torch.autograd.Function):
             grads = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
             kc, vc = kv[0].chunk(n, dim=-2), kv[1].chunk(n, dim=-2)
             dkc, dvc = grads[0].chunk(n, dim=-2), grads[1].chunk(n, dim=-2)
-            for a, b, diag in _pairs(rank, src, world, layout, causal):
+            for a, b, diag, frame in _pairs(rank, src, world, layout, causal, qc[0].shape[-2], rng):
                 gq, gk, gv, _ = torch.ops.mha_ext.attention_backward(
-                    gc[a], qc[a], kc[b], vc[b], oc[a], lc[a].contiguous(), None, 0.0, diag, scale, gqa,
-                    torch.zeros(2, dtype=torch.int64), False)
+                    gc[a], qc[a], kc[b], vc[b], oc[a], lc[a].contiguous(), None, dropout_p, diag, scale, gqa,
+                    frame if frame is not None else torch.zeros(2, dtype=torch.int64), False)
                 dq[a] += gq
                 dkc[b].add_(gk)
                 dvc[b].add_(gv)
@@ -203,7 +232,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = ring.finish(pending_kv)
         own = ring.finish(incoming) if incoming is not None else grads
         dq = torch.cat(dq, dim=-2).to(q.dtype)
-        return dq, own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
+        return dq, own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(
@@ -214,6 +243,7 @@ def ring_attention(
     *,
     causal: bool = False,
     scale: Optional[float] = None,
+    dropout_p: float = 0.0,
     layout: str = "zigzag",
 ) -> torch.Tensor:
     """Attention over a sequence sharded across the ranks of `group` (default:
@@ -222,6 +252,12 @@ def ring_attention(
     shard of the output, (..., Hq, n, Ev). Autograd works (the backward is a
     second turn of the ring, its transfers overlapped with compute too). GQA when Hq is a multiple of Hkv; every dtype.
     causal: each query attends to the keys at or before its global position.
+    dropout_p: dropout on the attention weights with the mask that
+    mha_ext.scaled_dot_product_attention draws for the whole sequence after
+    the same torch.manual_seed (rank 0's draw is used on every rank; every
+    rank's generator advances as one process's would).
     Every rank must call it with the same shapes (checked on every rank)."""
     _check_layout(layout)
-    return _RingAttention.apply(q, k, v, group, causal, scale, layout)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p:g}")
+    return _RingAttention.apply(q, k, v, group, causal, scale, layout, float(dropout_p))

@@ -2,7 +2,8 @@
 groups (gloo, 2 and 4 CPU processes on this machine): each rank's shard of
 the output and of the q, k, v gradients against single-process
 mha_ext.scaled_dot_product_attention on the whole sequence, for both
-layouts, causal and not, GQA, float64 and float32; a group of size 1; and
+layouts, causal and not, GQA, dropout (the mask of the whole sequence for
+the same seed), float64 and float32 (half and bfloat16 to one rounding); a group of size 1; and
 mismatched shards raising the same error on every rank (never a hang: each
 launch has a timeout). Data-parallel training of a model built on
 mha_ext.MultiheadAttention under DDP (also compiled) and FSDP2 against one
@@ -35,23 +36,47 @@ def _worker(rank, world, init_file, task, results, backend="gloo"):
             for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
                 for causal in (False, True):
                     for layout in ("contiguous", "zigzag"):
-                        for hkv in (4, 2):
+                        for hkv, p in ((4, 0.0), (2, 0.0), (2, 0.25)):
                             g = torch.Generator().manual_seed(7)
-                            L = 2 * world * 6
+                            # with dropout, chunks of 5: the blocks start at columns off the Philox groups of 4
+                            L = 2 * world * (5 if p > 0 else 6)
                             q = torch.randn(2, 4, L, 16, generator=g, dtype=torch.float64).to(dev, dtype)
                             k = torch.randn(2, hkv, L, 16, generator=g, dtype=torch.float64).to(dev, dtype)
                             v = torch.randn(2, hkv, L, 8, generator=g, dtype=torch.float64).to(dev, dtype)
                             go = torch.randn(2, 4, L, 8, generator=g, dtype=torch.float64).to(dev, dtype)
                             xs = [t.clone().requires_grad_() for t in (q, k, v)]
-                            ref = mha_ext.scaled_dot_product_attention(*xs, is_causal=causal, enable_gqa=hkv != 4)
+                            torch.manual_seed(11)
+                            ref = mha_ext.scaled_dot_product_attention(*xs, is_causal=causal, enable_gqa=hkv != 4,
+                                                                      dropout_p=p)
                             ref_grads = torch.autograd.grad(ref, xs, go)
                             mine = [shard(t, rank, world, layout).detach().requires_grad_() for t in (q, k, v)]
-                            o = ring_attention(*mine, causal=causal, layout=layout)
+                            torch.manual_seed(11)
+                            o = ring_attention(*mine, causal=causal, layout=layout, dropout_p=p)
                             grads = torch.autograd.grad(o, mine, shard(go, rank, world, layout))
                             errs = [(o - shard(ref, rank, world, layout)).abs().max().item()]
                             errs += [(a - shard(b, rank, world, layout)).abs().max().item()
                                      for a, b in zip(grads, ref_grads)]
-                            out.append(((str(dtype), causal, layout, hkv), max(errs), tol))
+                            if p > 0:  # the mask matters: without it the output is far from the reference
+                                plain = mha_ext.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                            enable_gqa=True)
+                                assert (plain - ref).abs().max().item() > 0.1
+                            out.append(((str(dtype), causal, layout, hkv, p), max(errs), tol))
+        elif task == "halfs":  # half and bfloat16: the error of one rounding of the inputs' dtype
+            for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)):
+                for causal in (False, True):
+                    g = torch.Generator().manual_seed(5)
+                    L = 2 * world * 16
+                    q, k, v, go = (torch.randn(2, h, L, 32, generator=g).to(dev, dtype) for h in (4, 2, 2, 4))
+                    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+                    ref = mha_ext.scaled_dot_product_attention(*xs, is_causal=causal, enable_gqa=True)
+                    ref_grads = torch.autograd.grad(ref, xs, go)
+                    mine = [shard(t, rank, world).detach().requires_grad_() for t in (q, k, v)]
+                    o = ring_attention(*mine, causal=causal)
+                    grads = torch.autograd.grad(o, mine, shard(go, rank, world))
+                    assert all(t.dtype == dtype for t in (o, *grads))
+                    errs = [((a - shard(b, rank, world)).abs() / (1 + shard(b, rank, world).abs())).max().item()
+                            for a, b in zip((o, *grads), (ref, *ref_grads))]
+                    out.append(((str(dtype), causal), max(errs), tol))
         elif task in ("ddp", "fsdp", "ddp+compile"):
             out.append(_train(task, rank, world))
         elif task == "mismatch":
@@ -167,7 +192,15 @@ def test_ring_attention_matches_single_process(world):
         assert isinstance(cases, list), f"rank {rank} failed:\n{cases}"
         for case, err, tol in cases:
             assert err <= tol, (rank, case, err)
-        assert len(cases) == 16
+        assert len(cases) == 24
+
+
+def test_ring_attention_half_and_bfloat16_match_single_process():
+    for rank, cases in enumerate(_launch(2, "halfs")):
+        assert isinstance(cases, list), f"rank {rank} failed:\n{cases}"
+        assert len(cases) == 4
+        for case, err, tol in cases:
+            assert err <= tol, (rank, case, err)
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp", "ddp+compile"])
@@ -184,7 +217,8 @@ def test_ring_attention_mismatched_shards_raise_on_every_rank():
     per_rank = _launch(2, "mismatch")
     for rank, msgs in enumerate(per_rank):
         assert isinstance(msgs, list), f"rank {rank} failed:\n{msgs}"
-        assert "must have the same shapes and dtype on every rank; ranks [1] differ" in msgs[0], msgs[0]
+        assert "must have the same shapes and dtype, and dropout_p the same value, on every rank; ranks [1] differ" \
+            in msgs[0], msgs[0]
 
 
 def test_shard_and_unshard_are_inverse():
