@@ -29,3 +29,19 @@ def test_simt_kernels_compile_for_sm80_and_sm90(tmp_path):
     data = out.read_bytes()
     # The fatbin names each architecture's ELF: both must be inside.
     assert b"sm_80" in data and b"sm_90" in data
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (a CUDA toolkit) to compile device code")
+def test_simt_primitives_are_the_ptx_instructions(tmp_path):
+    # the emulated primitives stand for these instructions under nvcc
+    ptx = tmp_path / "simt_kernels.ptx"
+    cmd = [_nvcc(), "-std=c++20", "-ptx", os.path.join(HERE, "simt", "simt_kernels.cu"), "-o", str(ptx),
+           "-arch=sm_80"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    text = ptx.read_text()
+    for instr in ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "mma.sync.aligned.m16n8k16.row.col.f32.bf16",
+                  "ldmatrix.sync.aligned.m8n8.x4.shared.b16", "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+                  "cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 0",
+                  "cp.async.wait_group 1"):
+        assert instr in text, instr

@@ -13,6 +13,19 @@
 // computes its own four D elements from the gathered A and B, reading each
 // element from the lane and register the layout says holds it, in float32 as
 // the hardware accumulates.
+//
+// The operand loads from shared memory, ldmatrix_x4 / ldmatrix_x4_trans:
+//   ldmatrix.sync.aligned.m8n8.x4{,.trans}.shared.b16
+// four 8 x 8 matrices of 16-bit elements; lane 8 i + r gives the address of
+// row r of matrix i (16 contiguous bytes, 16-byte aligned, in shared memory).
+// Lane l receives in register i the elements (l / 4, 2 (l % 4)) and
+// (l / 4, 2 (l % 4) + 1) of matrix i, the first in the low half; with .trans
+// the elements (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4). So matrices
+// (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) of a row-major
+// 16 x 16 tile load as the A fragment above, and of a row-major (k x n) tile
+// with .trans as the B fragments of columns 0-7 (registers 0, 1) and 8-15
+// (registers 2, 3). The emulation gathers the lanes' row addresses and reads
+// each element from there; a misaligned or non-shared address throws.
 #pragma once
 
 #include "numeric.h"
@@ -61,6 +74,18 @@ MHA_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32
 #elif defined(__CUDA_ARCH__)
 #error "mha_ext's CUDA kernels need sm_80 or newer (mma.sync m16n8k16 with bfloat16): set TORCH_CUDA_ARCH_LIST to 8.0 or above"
 #endif
+}
+
+MHA_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row)));
+}
+
+MHA_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row)));
 }
 
 #else
@@ -113,6 +138,37 @@ inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (
   });
   for (int e = 0; e < 4; ++e) d[e] = result[e];
 }
+
+namespace emul {
+
+template <bool kTrans>
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  if (!aligned16(row) || !in_shared(row, 16))
+    throw std::logic_error("ldmatrix: a row address must be 16-byte aligned and in shared memory");
+  const int lane = linear_tid() % kWarpSize;
+  const uint64_t a = reinterpret_cast<uintptr_t>(row);
+  const uint32_t mine[2] = {static_cast<uint32_t>(a), static_cast<uint32_t>(a >> 32)};
+  uint32_t out[4];
+  warp_exchange_words(mine, 2, [&](auto&& word_of) {
+    // element (rr, c) of matrix m: column c of the row whose address lane 8 m + rr gave
+    auto element = [&](int m, int rr, int c) {
+      const uint64_t p = word_of(8 * m + rr, 0) | (static_cast<uint64_t>(word_of(8 * m + rr, 1)) << 32);
+      uint16_t v;
+      std::memcpy(&v, reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(p)) + 2 * c, 2);
+      return static_cast<uint32_t>(v);
+    };
+    const int g = lane / 4, t = lane % 4;
+    for (int m = 0; m < 4; ++m)
+      out[m] = kTrans ? element(m, 2 * t, g) | (element(m, 2 * t + 1, g) << 16)
+                      : element(m, g, 2 * t) | (element(m, g, 2 * t + 1) << 16);
+  });
+  for (int m = 0; m < 4; ++m) r[m] = out[m];
+}
+
+}  // namespace emul
+
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* row) { emul::ldmatrix_x4<false>(r, row); }
+inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) { emul::ldmatrix_x4<true>(r, row); }
 
 #endif
 

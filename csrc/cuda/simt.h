@@ -11,6 +11,14 @@
 //   vote_ballot(p), vote_any(p), vote_all(p)              full-warp votes
 //   atomic_add(ptr, v)                                    atomicAdd
 //   dynamic_shared<T>()                                   extern __shared__ T[]
+//   cp_async_16(smem, gmem)           cp.async.cg.shared.global, 16 bytes (both
+//                                     addresses 16-byte aligned); the data is
+//                                     not there before the wait of its group
+//   cp_async_commit()                 cp.async.commit_group: the copies issued
+//                                     since the last commit become a group
+//   cp_async_wait<N>()                cp.async.wait_group N: every group but the
+//                                     N newest has landed (for this thread;
+//                                     other threads see it after a barrier)
 //   launch_kernel(kernel, grid, block, shared_bytes, stream, args...)
 //                                 kernel<<<grid, block, shared_bytes, stream>>>(args...)
 //                                 (host side; raises the dynamic shared memory
@@ -51,6 +59,27 @@ template <typename T>
 MHA_DEVICE T* dynamic_shared() {
   extern __shared__ __align__(16) unsigned char mha_simt_shared[];
   return reinterpret_cast<T*>(mha_simt_shared);
+}
+
+MHA_DEVICE uint32_t shared_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+MHA_DEVICE void cp_async_16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(smem)), "l"(gmem));
+#elif defined(__CUDA_ARCH__)
+#error "cp.async needs sm_80 or newer"
+#endif
+}
+MHA_DEVICE void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+MHA_DEVICE void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
 }
 
 using Stream = cudaStream_t;

@@ -12,7 +12,11 @@
 // barrier some thread never reaches (it waits elsewhere or has returned) is
 // reported as a deadlock, not a hang.
 // Warps are 32 lanes; shuffles exchange through per-lane slots between two
-// warp barriers. Atomics use std::atomic_ref. Shared memory is one arena per
+// warp barriers. Atomics use std::atomic_ref. cp.async copies read their
+// source when issued and write shared memory only at the wait_group that
+// retires their group (never, if no wait does): reading the destination
+// before the wait, or another thread's destination before a barrier after
+// its wait, sees the poison. Shared memory is one arena per
 // block that every thread of the block sees, filled with 0xff bytes (NaN in
 // every floating type) so that reading it before writing shows up.
 #pragma once
@@ -22,6 +26,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <deque>
+#include <exception>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -51,11 +57,19 @@ enum class Wait { kNone, kBlock, kWarp };
 // tensor-core operations publish their fragment registers this way).
 constexpr int kWideWords = 16;
 
+// A cp.async in flight: 16 bytes read at issue, for `dst` in shared memory.
+struct PendingCopy {
+  unsigned char* dst = nullptr;
+  unsigned char bytes[16];
+};
+
 struct Fiber {
   ucontext_t ctx{};
   std::unique_ptr<char[]> stack;
   bool done = false;
   Wait wait = Wait::kNone;
+  std::vector<PendingCopy> open_group;            // issued since the last commit
+  std::deque<std::vector<PendingCopy>> groups;    // committed, oldest first
 };
 
 struct Block {
@@ -68,6 +82,7 @@ struct Block {
   ucontext_t scheduler{};
   int current = -1;
   const std::function<void()>* body = nullptr;
+  std::exception_ptr error;  // thrown in a thread (a misused primitive): rethrown by launch()
 };
 
 inline thread_local Block* tl_block = nullptr;
@@ -80,7 +95,11 @@ inline Block& self() {
 
 inline void fiber_entry() {
   Block& b = *tl_block;
-  (*b.body)();
+  try {
+    (*b.body)();
+  } catch (...) {  // an exception cannot unwind past the fiber: the scheduler rethrows it
+    b.error = std::current_exception();
+  }
   b.fibers[b.current].done = true;
   swapcontext(&b.fibers[b.current].ctx, &b.scheduler);
 }
@@ -159,6 +178,10 @@ inline void launch(dim3 grid, dim3 block, size_t shared_bytes, const std::functi
             b.current = t;
             swapcontext(&b.scheduler, &b.fibers[t].ctx);
             b.current = -1;
+            if (b.error) {
+              tl_block = outer;
+              std::rethrow_exception(b.error);
+            }
             release_barriers(b);
             continue;
           }
@@ -258,6 +281,46 @@ template <typename T>
 T atomic_add(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
 template <typename T>
 T* dynamic_shared() { return reinterpret_cast<T*>(emul::self().shared.data()); }
+
+namespace emul {
+
+// Whether [p, p + bytes) lies in the calling block's shared memory.
+inline bool in_shared(const void* p, size_t bytes) {
+  const Block& b = self();
+  const auto* c = static_cast<const unsigned char*>(p);
+  return c >= b.shared.data() && c + bytes <= b.shared.data() + b.shared.size();
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace emul
+
+inline void cp_async_16(void* smem, const void* gmem) {
+  if (!emul::aligned16(smem) || !emul::aligned16(gmem))
+    throw std::logic_error("cp_async_16: both addresses must be 16-byte aligned");
+  if (!emul::in_shared(smem, 16)) throw std::logic_error("cp_async_16: the destination is not in shared memory");
+  if (emul::in_shared(gmem, 1)) throw std::logic_error("cp_async_16: the source must be global memory");
+  emul::PendingCopy c;
+  c.dst = static_cast<unsigned char*>(smem);
+  std::memcpy(c.bytes, gmem, 16);
+  emul::Block& b = emul::self();
+  b.fibers[b.current].open_group.push_back(c);
+}
+inline void cp_async_commit() {
+  emul::Block& b = emul::self();
+  emul::Fiber& f = b.fibers[b.current];
+  f.groups.push_back(std::move(f.open_group));
+  f.open_group.clear();
+}
+template <int N>
+void cp_async_wait() {
+  emul::Block& b = emul::self();
+  emul::Fiber& f = b.fibers[b.current];
+  while (f.groups.size() > static_cast<size_t>(N)) {
+    for (const emul::PendingCopy& c : f.groups.front()) std::memcpy(c.dst, c.bytes, 16);
+    f.groups.pop_front();
+  }
+}
 
 using Stream = void*;
 

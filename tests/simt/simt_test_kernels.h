@@ -80,8 +80,93 @@ MHA_KERNEL mma_tile(const T16* a, const T16* b, const float* c, float* d) {
   for (int e = 0; e < 4; ++e) d[MmaLayout::c_row(lane, e) * 8 + MmaLayout::c_col(lane, e)] = acc[e];
 }
 
+// 16 bytes, the unit of a cp.async copy.
+struct alignas(16) Row16 {
+  uint32_t w[4];
+};
+
+// A tile of 16-byte rows (one per thread) copied global -> shared with
+// cp.async, then each thread writes out the row of the next thread.
+// mode 0: commit, wait, barrier (correct); 1: no wait; 2: wait but no barrier.
+MHA_KERNEL async_copy_rows(const Row16* g, Row16* out, int mode) {
+  Row16* s = dynamic_shared<Row16>();
+  const unsigned t = thread_idx().x, n = block_dim().x;
+  cp_async_16(s + t, g + t);
+  cp_async_commit();
+  if (mode != 1) cp_async_wait<0>();
+  if (mode != 2) sync_threads();
+  out[t] = s[(t + 1) % n];
+}
+
+// Two groups per thread, rows t and n + t, then wait_group 1: the first
+// group has landed; the second may not have (the emulation holds it back).
+MHA_KERNEL async_copy_two_groups(const Row16* g, Row16* out) {
+  Row16* s = dynamic_shared<Row16>();
+  const unsigned t = thread_idx().x, n = block_dim().x;
+  cp_async_16(s + t, g + t);
+  cp_async_commit();
+  cp_async_16(s + n + t, g + n + t);
+  cp_async_commit();
+  cp_async_wait<1>();
+  out[t] = s[t];
+  out[n + t] = s[n + t];
+}
+
+// cp.async from an address 8 bytes off a 16-byte boundary: a fault on the hardware.
+MHA_KERNEL async_copy_misaligned(const Row16* g) {
+  Row16* s = dynamic_shared<Row16>();
+  cp_async_16(s, reinterpret_cast<const unsigned char*>(g) + 8);
+  cp_async_commit();
+  cp_async_wait<0>();
+}
+
+// One warp: a 16 x 16 row-major tile of 16-bit elements staged in shared
+// memory (row stride `ld` elements, a multiple of 8), then ldmatrix x4 (or
+// .trans) with lane l giving row (l % 8) + 8 ((l / 8) % 2) at column 8 (l / 16);
+// regs[4 l + i] = register i of lane l. offset shifts the addresses by that many elements.
+MHA_KERNEL ldmatrix_tile(const uint16_t* tile, uint32_t* regs, bool trans, int ld, int offset) {
+  uint16_t* s = dynamic_shared<uint16_t>();
+  const int lane = static_cast<int>(thread_idx().x);
+  for (int e = lane; e < 256; e += kWarpSize) s[(e / 16) * ld + e % 16] = tile[e];
+  sync_threads();
+  const uint16_t* row = s + ((lane % 8) + 8 * ((lane / 8) % 2)) * ld + 8 * (lane / 16) + offset;
+  uint32_t r[4];
+  if (trans)
+    ldmatrix_x4_trans(r, row);
+  else
+    ldmatrix_x4(r, row);
+  for (int i = 0; i < 4; ++i) regs[4 * lane + i] = r[i];
+}
+
+// D (16 x 16) = A (16 x 16) B (16 x 16, k by n) + C with the operands loaded by
+// ldmatrix (A) and ldmatrix.trans (B) from row-major tiles in shared memory:
+// two mma.sync of 16 x 8.
+template <typename T16>
+MHA_KERNEL mma_from_ldmatrix(const T16* a, const T16* b, const float* c, float* d) {
+  T16* s = dynamic_shared<T16>();
+  const int lane = static_cast<int>(thread_idx().x);
+  for (int e = lane; e < 256; e += kWarpSize) {
+    s[e] = a[e];
+    s[256 + e] = b[e];
+  }
+  sync_threads();
+  const int r = (lane % 8) + 8 * ((lane / 8) % 2), c0 = 8 * (lane / 16);
+  uint32_t af[4], bt[4];
+  ldmatrix_x4(af, s + r * 16 + c0);
+  ldmatrix_x4_trans(bt, s + 256 + r * 16 + c0);
+  for (int half = 0; half < 2; ++half) {
+    const uint32_t bf[2] = {bt[2 * half], bt[2 * half + 1]};
+    float acc[4];
+    for (int e = 0; e < 4; ++e) acc[e] = c[MmaLayout::c_row(lane, e) * 16 + 8 * half + MmaLayout::c_col(lane, e)];
+    mma_m16n8k16<T16>(acc, af, bf);
+    for (int e = 0; e < 4; ++e) d[MmaLayout::c_row(lane, e) * 16 + 8 * half + MmaLayout::c_col(lane, e)] = acc[e];
+  }
+}
+
 // Instantiated here so that nvcc compiles both (tests/test_simt_nvcc.py).
 template MHA_KERNEL mma_tile<f16>(const f16*, const f16*, const float*, float*);
 template MHA_KERNEL mma_tile<bf16>(const bf16*, const bf16*, const float*, float*);
+template MHA_KERNEL mma_from_ldmatrix<f16>(const f16*, const f16*, const float*, float*);
+template MHA_KERNEL mma_from_ldmatrix<bf16>(const bf16*, const bf16*, const float*, float*);
 
 }  // namespace simt_tests

@@ -1,12 +1,16 @@
 // The CPU emulation of csrc/cuda/simt.h behaves like the hardware it stands
 // for: barriers really order the threads of a block, warps shuffle and vote
 // over 32 lanes, atomics add up, and a barrier not every thread reaches is
-// reported instead of hanging.
+// reported instead of hanging; mma.sync and ldmatrix follow the PTX ISA's
+// per-lane tables (written out here independently of mma.h), and cp.async
+// data is there only after the wait of its group (and a barrier, for other
+// threads).
 #define MHA_SIMT_EMULATION 1
 #include "simt_test_kernels.h"
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -102,6 +106,165 @@ void check_mma() {
 
 TEST(SimtEmulation, MmaHalfMatchesPlainProduct) { check_mma<mha_ext::simt::f16>(); }
 TEST(SimtEmulation, MmaBFloat16MatchesPlainProduct) { check_mma<mha_ext::simt::bf16>(); }
+
+// ---------------------------------------------------------------------------
+// Per-lane layouts, written from the PTX ISA manual's tables (groupID =
+// lane >> 2, threadID_in_group = lane % 4), not from the helpers in mma.h.
+
+struct PtxMma {  // mma.m16n8k16 with .f16 / .bf16 A and B, .f32 C and D
+  static int group(int lane) { return lane >> 2; }
+  static int tig(int lane) { return lane % 4; }
+  static int a_row(int lane, int i) { return (i < 2 || (i >= 4 && i < 6)) ? group(lane) : group(lane) + 8; }
+  static int a_col(int lane, int i) { return tig(lane) * 2 + (i & 0x1) + (i >= 4 ? 8 : 0); }
+  static int b_row(int lane, int i) { return tig(lane) * 2 + (i & 0x1) + (i >= 2 ? 8 : 0); }
+  static int b_col(int lane, int) { return group(lane); }
+  static int c_row(int lane, int i) { return i < 2 ? group(lane) : group(lane) + 8; }
+  static int c_col(int lane, int i) { return tig(lane) * 2 + (i & 0x1); }
+};
+
+TEST(SimtEmulation, MmaLayoutIsThePtxTable) {
+  using mha_ext::simt::MmaLayout;
+  for (int lane = 0; lane < 32; ++lane) {
+    for (int i = 0; i < 8; ++i) {
+      EXPECT_EQ(MmaLayout::a_row(lane, i), PtxMma::a_row(lane, i)) << lane << " a" << i;
+      EXPECT_EQ(MmaLayout::a_col(lane, i), PtxMma::a_col(lane, i)) << lane << " a" << i;
+    }
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_EQ(MmaLayout::b_row(lane, i), PtxMma::b_row(lane, i)) << lane << " b" << i;
+      EXPECT_EQ(MmaLayout::b_col(lane, i), PtxMma::b_col(lane, i)) << lane << " b" << i;
+      EXPECT_EQ(MmaLayout::c_row(lane, i), PtxMma::c_row(lane, i)) << lane << " c" << i;
+      EXPECT_EQ(MmaLayout::c_col(lane, i), PtxMma::c_col(lane, i)) << lane << " c" << i;
+    }
+  }
+}
+
+// The emulated mma.sync with fragments placed by the PTX table (not by
+// MmaLayout): D read back by the table equals the plain product.
+TEST(SimtEmulation, MmaComputesThePtxTablesProduct) {
+  using mha_ext::simt::f16;
+  std::vector<f16> a(256), b(128);
+  for (int i = 0; i < 256; ++i) a[i] = f16(static_cast<float>((i * 29) % 17 - 8) / 4.f);
+  for (int i = 0; i < 128; ++i) b[i] = f16(static_cast<float>((i * 31) % 13 - 6) / 2.f);
+  std::vector<float> d(128, 0.f);
+  launch(dim3(1), dim3(32), 0, [&] {
+    const int lane = static_cast<int>(mha_ext::simt::thread_idx().x);
+    uint32_t af[4], bf[2];
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int r = 0; r < 4; ++r)
+      af[r] = mha_ext::simt::pack2(a[PtxMma::a_row(lane, 2 * r) * 16 + PtxMma::a_col(lane, 2 * r)],
+                                   a[PtxMma::a_row(lane, 2 * r + 1) * 16 + PtxMma::a_col(lane, 2 * r + 1)]);
+    for (int r = 0; r < 2; ++r)
+      bf[r] = mha_ext::simt::pack2(b[PtxMma::b_row(lane, 2 * r) * 8 + PtxMma::b_col(lane, 2 * r)],
+                                   b[PtxMma::b_row(lane, 2 * r + 1) * 8 + PtxMma::b_col(lane, 2 * r + 1)]);
+    mha_ext::simt::mma_m16n8k16<f16>(acc, af, bf);
+    for (int e = 0; e < 4; ++e) d[PtxMma::c_row(lane, e) * 8 + PtxMma::c_col(lane, e)] = acc[e];
+  });
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 8; ++n) {
+      double want = 0;
+      for (int k = 0; k < 16; ++k) want += double(float(a[m * 16 + k])) * double(float(b[k * 8 + n]));
+      EXPECT_NEAR(d[m * 8 + n], want, 1e-4) << m << " " << n;
+    }
+}
+
+// ldmatrix .x4 (.trans), from the manual: lane 8 i + r addresses row r of
+// matrix i; each lane receives one 32-bit register per matrix holding two
+// adjacent elements, row lane / 4 and columns 2 (lane % 4), + 1; .trans
+// delivers the matrix transposed: rows 2 (lane % 4), + 1 of column lane / 4.
+// The tile's elements are their own indices, so each half names its source.
+std::vector<uint32_t> run_ldmatrix(bool trans, int ld, int offset = 0) {
+  std::vector<uint16_t> tile(256);
+  std::iota(tile.begin(), tile.end(), 0);
+  std::vector<uint32_t> regs(128, 0xdeadbeef);
+  launch(dim3(1), dim3(32), 16 * ld * sizeof(uint16_t) + 64,
+         [&] { simt_tests::ldmatrix_tile(tile.data(), regs.data(), trans, ld, offset); });
+  return regs;
+}
+
+TEST(SimtEmulation, LdmatrixIsThePtxTable) {
+  for (int ld : {16, 24}) {  // packed rows, and rows padded by 16 bytes (conflict-free strides)
+    for (bool trans : {false, true}) {
+      const auto regs = run_ldmatrix(trans, ld);
+      for (int lane = 0; lane < 32; ++lane)
+        for (int m = 0; m < 4; ++m) {
+          // matrix m holds tile rows 8 (m % 2) .. and columns 8 (m / 2) .. (the addresses given)
+          auto at = [&](int r, int c) { return uint32_t((8 * (m % 2) + r) * 16 + 8 * (m / 2) + c); };
+          const int g = lane / 4, t = lane % 4;
+          const uint32_t lo = trans ? at(2 * t, g) : at(g, 2 * t);
+          const uint32_t hi = trans ? at(2 * t + 1, g) : at(g, 2 * t + 1);
+          EXPECT_EQ(regs[4 * lane + m], lo | (hi << 16)) << "ld " << ld << " trans " << trans << " lane " << lane;
+        }
+    }
+  }
+}
+
+TEST(SimtEmulation, LdmatrixOffAlignmentThrows) {
+  EXPECT_THROW(run_ldmatrix(false, 16, 4), std::logic_error);  // 8 bytes off
+}
+
+// ldmatrix operands feed mma.sync: A and B (transposed) from row-major
+// shared tiles give the plain product.
+template <typename T16>
+void check_mma_from_ldmatrix() {
+  std::vector<T16> a(256), b(256);
+  std::vector<float> c(256), d(256, 0.f);
+  for (int i = 0; i < 256; ++i) a[i] = T16(static_cast<float>((i * 37) % 23 - 11) / 8.f);
+  for (int i = 0; i < 256; ++i) b[i] = T16(static_cast<float>((i * 53) % 19 - 9) / 4.f);
+  for (int i = 0; i < 256; ++i) c[i] = static_cast<float>(i % 5) - 2.f;
+  launch(dim3(1), dim3(32), 512 * sizeof(T16),
+         [&] { simt_tests::mma_from_ldmatrix<T16>(a.data(), b.data(), c.data(), d.data()); });
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 16; ++n) {
+      double want = c[m * 16 + n];
+      for (int k = 0; k < 16; ++k) want += double(float(a[m * 16 + k])) * double(float(b[k * 16 + n]));
+      EXPECT_NEAR(d[m * 16 + n], want, 1e-4) << "m " << m << " n " << n;
+    }
+}
+
+TEST(SimtEmulation, MmaFromLdmatrixHalf) { check_mma_from_ldmatrix<mha_ext::simt::f16>(); }
+TEST(SimtEmulation, MmaFromLdmatrixBFloat16) { check_mma_from_ldmatrix<mha_ext::simt::bf16>(); }
+
+// ---------------------------------------------------------------------------
+// cp.async: data lands at the wait of its group, for other threads after a barrier.
+
+std::vector<simt_tests::Row16> rows16(size_t n) {
+  std::vector<simt_tests::Row16> v(n);
+  for (size_t i = 0; i < n; ++i)
+    for (int w = 0; w < 4; ++w) v[i].w[w] = static_cast<uint32_t>(1000 * i + w);
+  return v;
+}
+
+bool same(const simt_tests::Row16& a, const simt_tests::Row16& b) { return std::memcmp(&a, &b, 16) == 0; }
+
+int wrong_rows_after_async_copy(int mode) {
+  const unsigned n = 64;
+  auto in = rows16(n);
+  std::vector<simt_tests::Row16> out(n);
+  launch(dim3(1), dim3(n), n * 16, [&] { simt_tests::async_copy_rows(in.data(), out.data(), mode); });
+  int wrong = 0;
+  for (unsigned t = 0; t < n; ++t) wrong += !same(out[t], in[(t + 1) % n]);
+  return wrong;
+}
+
+TEST(SimtEmulation, AsyncCopyWithWaitAndBarrierLands) { EXPECT_EQ(wrong_rows_after_async_copy(0), 0); }
+TEST(SimtEmulation, AsyncCopyWithoutWaitGivesAWrongAnswer) { EXPECT_EQ(wrong_rows_after_async_copy(1), 64); }
+TEST(SimtEmulation, AsyncCopyWithoutBarrierGivesAWrongAnswer) { EXPECT_GT(wrong_rows_after_async_copy(2), 0); }
+
+TEST(SimtEmulation, AsyncCopyWaitGroupRetiresAllButTheNewest) {
+  const unsigned n = 32;
+  auto in = rows16(2 * n);
+  std::vector<simt_tests::Row16> out(2 * n);
+  launch(dim3(1), dim3(n), 2 * n * 16, [&] { simt_tests::async_copy_two_groups(in.data(), out.data()); });
+  for (unsigned t = 0; t < n; ++t) {
+    EXPECT_TRUE(same(out[t], in[t])) << t;           // the older group has landed
+    EXPECT_FALSE(same(out[n + t], in[n + t])) << t;  // the newest may not have: held back here
+  }
+}
+
+TEST(SimtEmulation, AsyncCopyOffAlignmentThrows) {
+  auto in = rows16(2);
+  EXPECT_THROW(launch(dim3(1), dim3(1), 16, [&] { simt_tests::async_copy_misaligned(in.data()); }), std::logic_error);
+}
 
 TEST(SimtEmulation, AtomicsAddEveryContribution) {
   const unsigned blocks = 4, threads = 96;
