@@ -1,5 +1,6 @@
 """A generation loop against a KV cache: mha_ext.kvcache_attention on a
-preallocated cache written in place, against what transformers' DynamicCache
+preallocated cache written in place (contiguous, and paged: blocks of 256
+rows at shuffled places of a pool), against what transformers' DynamicCache
 does (the whole history concatenated every step, then attention) with
 F.scaled_dot_product_attention and with mha_ext's SDPA. One process, the
 loops interleaved, medians.
@@ -25,8 +26,9 @@ from bench_attention import cpu_name, write_report  # noqa: E402
 
 
 def loops(B, hq, hkv, D, prompt, steps, dtype):
-    """(in-place cache, concatenating cache + torch SDPA, concatenating cache + mha_ext SDPA): each
-    a function running the whole decode loop (one new token a step) after the prompt is cached."""
+    """(in-place cache, concatenating cache + torch SDPA, concatenating cache + mha_ext SDPA, paged
+    in-place cache): each a function running the whole decode loop (one new token a step) after
+    the prompt is cached."""
     g = torch.Generator().manual_seed(0)
     new = [(torch.randn(B, 1, hq, D, generator=g).to(dtype), torch.randn(B, 1, hkv, D, generator=g).to(dtype),
             torch.randn(B, 1, hkv, D, generator=g).to(dtype)) for _ in range(steps)]
@@ -41,6 +43,20 @@ def loops(B, hq, hkv, D, prompt, steps, dtype):
             mha_ext.kvcache_attention(q, kc, vc, sl, k, v)
             sl += 1
 
+    def paged(block=256):
+        per = (prompt + steps + block - 1) // block
+        table = torch.randperm(B * per, generator=torch.Generator().manual_seed(1)).view(B, per).to(torch.int32)
+        kc, vc = torch.zeros(B * per, block, hkv, D, dtype=dtype), torch.zeros(B * per, block, hkv, D, dtype=dtype)
+        for b in range(B):
+            for i in range(prompt // block + 1):
+                n = min(block, prompt - i * block)
+                if n > 0:
+                    kc[table[b, i], :n], vc[table[b, i], :n] = pk[b, i * block:i * block + n], pv[b, i * block:i * block + n]
+        sl = torch.full((B,), prompt, dtype=torch.int32)
+        for q, k, v in new:
+            mha_ext.kvcache_attention(q, kc, vc, sl, k, v, block_table=table)
+            sl += 1
+
     def concatenating(attend):
         def run():
             hk, hv = pk.transpose(1, 2), pv.transpose(1, 2)  # (B, Hkv, S, D) as DynamicCache keeps them
@@ -50,7 +66,7 @@ def loops(B, hq, hkv, D, prompt, steps, dtype):
         return run
 
     return [in_place, concatenating(F.scaled_dot_product_attention),
-            concatenating(mha_ext.scaled_dot_product_attention)]
+            concatenating(mha_ext.scaled_dot_product_attention), paged]
 
 
 def main():
@@ -65,9 +81,10 @@ def main():
              f"{mha_ext.ops.cpu_isa()}; `python bench/bench_kvcache.py {' '.join(sys.argv[1:])}`; {steps} steps of one "
              f"token after a {prompt}-token prompt, whole loops interleaved, medians of {args.reps}. In place: "
              "mha_ext.kvcache_attention writing each step's key and value into a preallocated cache; concatenating: "
-             "the history concatenated every step (transformers' DynamicCache), then attention.", "",
+             "the history concatenated every step (transformers' DynamicCache), then attention; paged: the "
+             "same op on a pool of 256-row blocks at shuffled places (block_table), read in place.", "",
              "| dtype | B, Hq, Hkv, D | in place ms/step | concat + torch SDPA ms/step | concat + mha_ext SDPA ms/step "
-             "| torch / in place |", "|---|---|---|---|---|---|"]
+             "| torch / in place | paged ms/step | paged / in place |", "|---|---|---|---|---|---|---|---|"]
     for dtype in (torch.float32, torch.bfloat16):
         for B, hq, hkv, D in shapes:
             fns = loops(B, hq, hkv, D, prompt, steps, dtype)
@@ -79,7 +96,8 @@ def main():
                     times[i].append((time.perf_counter() - t) / steps)
             med = [sorted(t)[len(t) // 2] for t in times]
             lines.append(f"| {str(dtype).replace('torch.', '')} | {B}, {hq}, {hkv}, {D} | {med[0] * 1e3:.3f} | "
-                         f"{med[1] * 1e3:.3f} | {med[2] * 1e3:.3f} | {med[1] / med[0]:.2f} |")
+                         f"{med[1] * 1e3:.3f} | {med[2] * 1e3:.3f} | {med[1] / med[0]:.2f} | {med[3] * 1e3:.3f} | "
+                         f"{med[3] / med[0]:.2f} |")
     write_report("kvcache.md", lines)
 
 

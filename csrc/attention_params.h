@@ -140,11 +140,26 @@ struct AttentionFwdParams {
   // A KV cache (kvcache_attention): batch b attends to the first seqlens_k[b]
   // keys of its cache rows; len_kv is the largest. Null: every batch has len_kv.
   const int32_t* seqlens_k = nullptr;  // (B)
+  // A paged KV cache: key/value row j of batch b is row j % kv_block_size of
+  // block block_table[b * block_table_stride + j / kv_block_size], and the k
+  // / v batch strides step from block to block. A kernel reads a run of rows
+  // from kv_offset of its first (rows within one block are evenly strided;
+  // kv_block_size is a multiple of every kernel's key tile). Null: not paged.
+  const int32_t* block_table = nullptr;  // (B, max_blocks)
+  int64_t block_table_stride = 0, kv_block_size = 0;
+  static constexpr int64_t kKVBlockMultiple = 256;  // CPU tiles: 256 keys, CUDA: at most 64
 
   // query head h reads key/value head h / group_size
   MHA_HOST_DEVICE int64_t group_size() const { return heads_q / heads_kv; }
   MHA_HOST_DEVICE int64_t lse_index(int64_t b, int64_t h, int64_t i) const {
     return b * lse_stride_b + h * lse_stride_h + row0_q + i;
+  }
+  // Where key/value row j of (b, key/value head hk) is, in elements, for k's
+  // or v's strides st.
+  MHA_HOST_DEVICE int64_t kv_offset(const Strides4& st, int64_t b, int64_t hk, int64_t j) const {
+    if (block_table == nullptr) return b * st.b + hk * st.h + j * st.row;
+    const int64_t block = block_table[b * block_table_stride + j / kv_block_size];
+    return block * st.b + hk * st.h + (j % kv_block_size) * st.row;
   }
   // The dropout row (dropout.h) of row i of (b, h): its lse entry's index,
   // or its row in the frame f (dense ops only).

@@ -1,5 +1,7 @@
 #include "checks.h"
 
+#include "attention_params.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -211,21 +213,45 @@ void check_sizes(const char* name, const at::Tensor& t, at::IntArrayRef want, co
 
 KVCacheShape check_kvcache_inputs(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
-                                  const std::optional<at::Tensor>& v_new) {
+                                  const std::optional<at::Tensor>& v_new,
+                                  const std::optional<at::Tensor>& block_table) {
+  const bool paged = block_table.has_value();
+  const char* rows =
+      paged ? "4 dims (num_blocks, block_size, heads, head_dim)" : "4 dims (batch, max_seqlen, heads, head_dim)";
   check_qkv_common("query", query, query, query.dim() == 4, "4 dims (batch, seqlen, heads, head_dim)");
-  check_qkv_common("k_cache", k_cache, query, k_cache.dim() == 4, "4 dims (batch, max_seqlen, heads, head_dim)");
-  check_qkv_common("v_cache", v_cache, query, v_cache.dim() == 4, "4 dims (batch, max_seqlen, heads, head_dim)");
+  check_qkv_common("k_cache", k_cache, query, k_cache.dim() == 4, rows);
+  check_qkv_common("v_cache", v_cache, query, v_cache.dim() == 4, rows);
   KVCacheShape s;
   s.batch = query.size(0);
   s.batch_sizes = {s.batch};
   s.len_q = query.size(1);
   s.heads_q = query.size(2);
   s.head_dim = query.size(3);
-  s.len_cache = k_cache.size(1);
   s.heads_kv = k_cache.size(2);
   s.head_dim_v = v_cache.size(3);
-  check_sizes("k_cache", k_cache, {s.batch, s.len_cache, s.heads_kv, s.head_dim}, "(B, S_max, Hkv, E)");
-  check_sizes("v_cache", v_cache, {s.batch, s.len_cache, s.heads_kv, s.head_dim_v}, "(B, S_max, Hkv, Ev)");
+  if (paged) {
+    const at::Tensor& t = *block_table;
+    TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == 2 && t.size(0) == s.batch,
+                "block_table must be an int32 tensor of shape (B, max_blocks) with B = ", s.batch, ", got ",
+                dtype_name(t.scalar_type()), " of shape ", format_shape(t.sizes()));
+    TORCH_CHECK(t.device() == query.device(), "block_table must be on the same device as query (",
+                query.device().str(), "), got ", t.device().str());
+    s.num_blocks = k_cache.size(0);
+    s.block_size = k_cache.size(1);
+    check_sizes("k_cache", k_cache, {s.num_blocks, s.block_size, s.heads_kv, s.head_dim},
+                "(num_blocks, block_size, Hkv, E)");
+    check_sizes("v_cache", v_cache, {s.num_blocks, s.block_size, s.heads_kv, s.head_dim_v},
+                "(num_blocks, block_size, Hkv, Ev)");
+    constexpr int64_t kMultiple = AttentionFwdParams::kKVBlockMultiple;
+    TORCH_CHECK(s.block_size > 0 && s.block_size % kMultiple == 0,
+                "with a block_table, the cache blocks (k_cache dim 1) must hold a multiple of ", kMultiple,
+                " rows, got ", s.block_size);
+    s.len_cache = t.size(1) * s.block_size;
+  } else {
+    s.len_cache = k_cache.size(1);
+    check_sizes("k_cache", k_cache, {s.batch, s.len_cache, s.heads_kv, s.head_dim}, "(B, S_max, Hkv, E)");
+    check_sizes("v_cache", v_cache, {s.batch, s.len_cache, s.heads_kv, s.head_dim_v}, "(B, S_max, Hkv, Ev)");
+  }
   TORCH_CHECK(s.heads_q == s.heads_kv || (s.heads_kv > 0 && s.heads_q % s.heads_kv == 0), "query heads (",
               s.heads_q, ") must be a multiple of key/value heads (", s.heads_kv, ")");
   TORCH_CHECK(cache_seqlens.scalar_type() == at::kInt && cache_seqlens.dim() == 1 &&
@@ -248,8 +274,18 @@ KVCacheShape check_kvcache_inputs(const at::Tensor& query, const at::Tensor& k_c
   s.len_kv = 0;
   for (int64_t b = 0; b < s.batch; ++b) {
     TORCH_CHECK(c[b] >= 0 && c[b] + s.len_new <= s.len_cache, "cache_seqlens[", b, "] must be in [0, ",
-                s.len_cache - s.len_new, "] (S_max = ", s.len_cache, " minus ", s.len_new, " new keys), got ", c[b]);
+                s.len_cache - s.len_new, "] (S_max = ", s.len_cache, paged ? " (max_blocks x block_size)" : "",
+                " minus ", s.len_new, " new keys), got ", c[b]);
     s.len_kv = std::max<int64_t>(s.len_kv, c[b] + s.len_new);
+  }
+  if (paged) {  // the blocks a batch reads or writes must be in the pool
+    const at::Tensor table = block_table->device().is_cpu() ? block_table->contiguous() : block_table->to(at::kCPU);
+    const int32_t* t = table.const_data_ptr<int32_t>();
+    const int64_t width = table.size(1);
+    for (int64_t b = 0; b < s.batch; ++b)
+      for (int64_t i = 0; i * s.block_size < c[b] + s.len_new; ++i)
+        TORCH_CHECK(t[b * width + i] >= 0 && t[b * width + i] < s.num_blocks, "block_table[", b, ", ", i,
+                    "] must be in [0, num_blocks) = [0, ", s.num_blocks, "), got ", t[b * width + i]);
   }
   return s;
 }

@@ -44,16 +44,21 @@ VarlenShape check_varlen_inputs(const at::Tensor& query, const at::Tensor& key, 
 // (cache_seqlens[b] + len_new), len_cache = S_max, batch_sizes = (B).
 struct KVCacheShape : AttentionShape {
   int64_t len_cache = 0, len_new = 0;
+  int64_t block_size = 0, num_blocks = 0;  // paged (a block_table): rows per block, blocks in the pool
 };
 
 // query (B, Lq, Hq, E), k_cache (B, S_max, Hkv, E), v_cache (B, S_max, Hkv,
 // Ev), Hq a multiple of Hkv, cache_seqlens int32 (B) on query's device,
 // k_new / v_new (B, L_new, Hkv, E / Ev) or neither; the values of
 // cache_seqlens (read on the host) >= 0 and, with L_new new keys, at most
-// S_max - L_new.
+// S_max - L_new. Paged, with block_table int32 (B, max_blocks): k_cache
+// (num_blocks, block_size, Hkv, E), v_cache likewise, block_size a multiple
+// of 256, S_max = max_blocks * block_size, and the entries a batch uses
+// (read on the host) in [0, num_blocks).
 KVCacheShape check_kvcache_inputs(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
-                                  const std::optional<at::Tensor>& v_new);
+                                  const std::optional<at::Tensor>& v_new,
+                                  const std::optional<at::Tensor>& block_table);
 
 // The variant arguments: windows >= -1 (-1: unbounded), softcap finite and
 // >= 0 (0: none), alibi_slopes floating with shape (Hq) or (N..., Hq) on

@@ -10,12 +10,19 @@
 //   cache_seqlens int32 (B): keys already in batch b's cache
 // The new keys go to rows cache_seqlens[b] .. + L_new; batch b attends to its
 // first cache_seqlens[b] + L_new keys, aligned at the bottom-right corner.
+// Paged (a block_table (B, max_blocks) int32): k_cache / v_cache are a pool
+// (num_blocks, block_size, Hkv, E / Ev) and batch b's row j is row
+// j % block_size of block block_table[b, j / block_size] (vLLM's and
+// FlashAttention's paged layout; block_size a multiple of 256).
 #pragma once
 
 #include "host_common.h"
 
 #include <ATen/ops/arange.h>
+#include <ATen/ops/div.h>
+#include <ATen/ops/gather.h>
 #include <ATen/ops/index_put.h>
+#include <ATen/ops/remainder.h>
 
 namespace mha_ext {
 
@@ -35,17 +42,21 @@ struct KVCacheCall {
 inline KVCacheCall prepare_kvcache(const at::Tensor& query, at::Tensor& k_cache, at::Tensor& v_cache,
                                    const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
                                    const std::optional<at::Tensor>& v_new, std::optional<double> scale,
-                                   const VariantArgs& va) {
+                                   const VariantArgs& va, const std::optional<at::Tensor>& block_table) {
   KVCacheCall c;
-  c.s = check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new);
+  c.s = check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table);
   check_variant(c.s, query, va.window_left, va.window_right, va.softcap, va.alibi_slopes);
   const KVCacheShape& s = c.s;
   const at::Tensor start = cache_seqlens.to(at::kLong);
   if (k_new.has_value() && s.len_new > 0) {  // rows cache_seqlens[b] + t, in place
     // index_put_ rather than scatter_: torch's CPU scatter_ of bfloat16 took
     // 1.5 ms for one (4, 1, 8, 128) step (float32: 0.013), index_put_ 0.012
-    const at::Tensor rows = start.view({s.batch, 1}).add(at::arange(s.len_new, start.options()));
-    const at::Tensor batch = at::arange(s.batch, start.options()).view({s.batch, 1}).expand({s.batch, s.len_new});
+    at::Tensor rows = start.view({s.batch, 1}).add(at::arange(s.len_new, start.options()));
+    at::Tensor batch = at::arange(s.batch, start.options()).view({s.batch, 1}).expand({s.batch, s.len_new});
+    if (block_table.has_value()) {  // (block, row in block) of each new row
+      batch = block_table->gather(1, rows.div(s.block_size, "floor")).to(at::kLong);
+      rows = rows.remainder(s.block_size);
+    }
     k_cache.index_put_({batch, rows}, *k_new);
     v_cache.index_put_({batch, rows}, *v_new);
   }
@@ -69,6 +80,13 @@ inline KVCacheCall prepare_kvcache(const at::Tensor& query, at::Tensor& k_cache,
   p.out_stride = bshd_strides(c.out);
   p.lse = c.lse.data_ptr();
   c.keep_alive.push_back(keys);
+  if (block_table.has_value()) {  // k / v batch strides step over blocks
+    const at::Tensor table = block_table->contiguous();
+    p.block_table = table.const_data_ptr<int32_t>();
+    p.block_table_stride = table.size(1);
+    p.kv_block_size = s.block_size;
+    c.keep_alive.push_back(table);
+  }
   return c;
 }
 

@@ -59,7 +59,10 @@ TORCH_LIBRARY(mha_ext, m) {
   // (nothing is copied or concatenated). Batch b attends to its first
   // cache_seqlens[b] + L_new keys with the causal alignment, windows and ALiBi
   // at the bottom-right corner; GQA, softcap, scale. Forward only (inference).
-  // Returns out (B, Lq, Hq, Ev) and logsumexp (B, Hq, Lq).
+  // Returns out (B, Lq, Hq, Ev) and logsumexp (B, Hq, Lq). Paged, with
+  // block_table int32 (B, max_blocks): the caches are a pool (num_blocks,
+  // block_size, Hkv, E / Ev), block_size a multiple of 256, and batch b's key
+  // j is row j % block_size of block block_table[b, j / block_size].
   m.def(mha_ext::kKVCacheAttentionSchema);
 
   // The keep mask (True = kept) that `attention` applies for this rng_state

@@ -35,6 +35,7 @@ inline constexpr const char* kVarlenAttentionBackwardSchema =
 inline constexpr const char* kKVCacheAttentionSchema =
     "kvcache_attention(Tensor query, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
     "Tensor? k_new=None, Tensor? v_new=None, float? scale=None, bool is_causal=False, int window_left=-1, "
-    "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor logsumexp)";
+    "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? block_table=None) -> "
+    "(Tensor out, Tensor logsumexp)";
 
 }  // namespace mha_ext

@@ -2,7 +2,7 @@
 (mha_ext::kvcache_attention; mha_ext.ops registers the fake kernel, the
 module the library names). Its checks mirror check_kvcache_inputs
 (csrc/checks.cpp) as far as shapes go; the values of cache_seqlens are
-checked by the kernels' host code, which reads them."""
+and of a block_table are checked by the kernels' host code, which reads them."""
 from typing import Optional
 
 import torch
@@ -20,24 +20,41 @@ def _check_sizes(name, t, want, what):
     _check(tuple(t.shape) == tuple(want), lambda: f"{name} must have shape {what} = {_fmt(want)}, got {_fmt(t.shape)}")
 
 
-def check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new):
+_KV_BLOCK_MULTIPLE = 256  # AttentionFwdParams::kKVBlockMultiple
+
+
+def _check_int32(name, t, query, shape_ok, want):
+    _check(t.dtype == torch.int32 and shape_ok,
+           lambda: f"{name} must be an int32 tensor of shape {want}, got {t.dtype} of shape {_fmt(t.shape)}")
+    _check(t.device == query.device, lambda: f"{name} must be on the same device as query ({query.device}), got {t.device}")
+
+
+def check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None):
     """The Python twin of the shape checks of mha_ext::check_kvcache_inputs.
     Returns (B, Lq, Hq, Hkv, Ev)."""
+    paged = block_table is not None
+    rows = "num_blocks, block_size, heads, head_dim" if paged else "batch, max_seqlen, heads, head_dim"
     _check_4d("query", query, query, "batch, seqlen, heads, head_dim")
-    _check_4d("k_cache", k_cache, query, "batch, max_seqlen, heads, head_dim")
-    _check_4d("v_cache", v_cache, query, "batch, max_seqlen, heads, head_dim")
+    _check_4d("k_cache", k_cache, query, rows)
+    _check_4d("v_cache", v_cache, query, rows)
     B, L, hq, E = query.shape
     S, hkv, ev = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    _check_sizes("k_cache", k_cache, (B, S, hkv, E), "(B, S_max, Hkv, E)")
-    _check_sizes("v_cache", v_cache, (B, S, hkv, ev), "(B, S_max, Hkv, Ev)")
+    if paged:
+        t = block_table
+        _check_int32("block_table", t, query, t.dim() == 2 and t.shape[0] == B, f"(B, max_blocks) with B = {B}")
+        n = k_cache.shape[0]
+        _check_sizes("k_cache", k_cache, (n, S, hkv, E), "(num_blocks, block_size, Hkv, E)")
+        _check_sizes("v_cache", v_cache, (n, S, hkv, ev), "(num_blocks, block_size, Hkv, Ev)")
+        _check(S > 0 and S % _KV_BLOCK_MULTIPLE == 0,
+               lambda: f"with a block_table, the cache blocks (k_cache dim 1) must hold a multiple of "
+               f"{_KV_BLOCK_MULTIPLE} rows, got {S}")
+    else:
+        _check_sizes("k_cache", k_cache, (B, S, hkv, E), "(B, S_max, Hkv, E)")
+        _check_sizes("v_cache", v_cache, (B, S, hkv, ev), "(B, S_max, Hkv, Ev)")
     _check(hq == hkv or (hkv > 0 and hq % hkv == 0),
            lambda: f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     c = cache_seqlens
-    _check(c.dtype == torch.int32 and c.dim() == 1 and c.shape[0] == B,
-           lambda: f"cache_seqlens must be an int32 tensor of shape (B) = ({B}), got {c.dtype} of shape "
-           f"{_fmt(c.shape)}")
-    _check(c.device == query.device,
-           lambda: f"cache_seqlens must be on the same device as query ({query.device}), got {c.device}")
+    _check_int32("cache_seqlens", c, query, c.dim() == 1 and c.shape[0] == B, f"(B) = ({B})")
     _check((k_new is None) == (v_new is None),
            lambda: f"k_new and v_new must be given together, got {'k_new only' if k_new is not None else 'v_new only'}")
     if k_new is not None:
@@ -50,8 +67,8 @@ def check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new):
 
 
 def _kvcache_fake(query, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, scale=None, is_causal=False,
-                  window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
-    B, L, hq, _, ev = check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new)
+                  window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, block_table=None):
+    B, L, hq, _, ev = check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     check_variant(query, (B,), hq, window_left, window_right, softcap, alibi_slopes)
     return query.new_empty((B, L, hq, ev)), query.new_empty((B, hq, L), dtype=_acc_dtype(query.dtype))
 
@@ -69,6 +86,7 @@ def kvcache_attention(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
+    block_table: Optional[torch.Tensor] = None,
     return_lse: bool = False,
 ):
     """Attention against a preallocated KV cache, forward only (FlashAttention's
@@ -82,8 +100,16 @@ def kvcache_attention(
     to its first cache_seqlens[b] + L_new keys, causal / window / ALiBi aligned
     at the bottom-right corner (the last query row sees the last key); GQA
     (Hq a multiple of Hkv), softcap, scale. Returns (B, Lq, Hq, Ev), and with
-    return_lse=True also the logsumexp (B, Hq, Lq)."""
+    return_lse=True also the logsumexp (B, Hq, Lq).
+
+    Paged (block_table int32 (B, max_blocks), as vLLM and FlashAttention
+    lay it out): k_cache / v_cache are a pool (num_blocks, block_size, Hkv,
+    E / Ev), block_size a multiple of 256, and batch b's key j is row
+    j % block_size of block block_table[b, j // block_size]; S_max =
+    max_blocks * block_size. Decode steps (at most 16 query rows per
+    key/value head) and the CUDA kernels read the blocks in place; longer
+    query chunks on the CPU gather a batch's blocks first."""
     wl, wr, _, cap = _variant_args("bottom_right", window, softcap)
     out, lse = torch.ops.mha_ext.kvcache_attention(query, k_cache, v_cache, cache_seqlens, k_new, v_new, scale,
-                                                   bool(causal), wl, wr, cap, alibi_slopes)
+                                                   bool(causal), wl, wr, cap, alibi_slopes, block_table)
     return (out, lse) if return_lse else out

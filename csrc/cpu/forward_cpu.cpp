@@ -102,10 +102,11 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
       for (int64_t j0 = j_lo; j0 < j_hi; j0 += kBlockN) {
         const int64_t n = std::min(kBlockN, j_hi - j0);
         int64_t ldk = 0, ldv = 0;
-        const scalar_t* v_tile = v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row;
+        // (in a paged cache a tile lies in one block: its rows are evenly strided from kv_offset)
+        const scalar_t* v_tile = v + p.kv_offset(p.v_stride, b, hk, j0);
         if (p.v_stride.col == 1)  // V's rows on their way to L2 while the scores are computed
           for (int64_t c = 0; c < n; ++c) prefetch_row(v_tile + c * p.v_stride.row, Ev * sizeof(scalar_t), 1);
-        const scalar_t* k_tile = k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row;
+        const scalar_t* k_tile = k + p.kv_offset(p.k_stride, b, hk, j0);
         acc_t* s = s_buf.data();
         bool scored = false;
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // bfloat16 pairs on AVX512-BF16, then the scale
@@ -191,6 +192,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
 template <typename scalar_t>
 void attention_fwd_kernel(const AttentionFwdParams& p) {
   if (use_decode_kernel(p)) return attention_decode_kernel<scalar_t>(p);
+  TORCH_CHECK(p.block_table == nullptr, "internal: a paged KV cache reaches the dense CPU kernel");
   using acc_t = at::opmath_type<scalar_t>;
   using Ops = RowOps<acc_t>;
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();

@@ -14,6 +14,11 @@ namespace mha_ext {
 template <typename scalar_t>
 void attention_fwd_kernel(const AttentionFwdParams& p);
 
+// Whether attention_fwd_kernel runs the decode kernel for p (at most 16 query
+// rows per key/value head, no dropout, dense): the one CPU kernel that reads a
+// paged KV cache in place.
+bool use_decode_kernel(const AttentionFwdParams& p);
+
 // Backward: fills p.grad_q (scalar_t, contiguous), p.grad_k / p.grad_v
 // (accumulator type, one slice per *query* head: (B, Hq, S, E) / (B, Hq, S, Ev),
 // reduced over the GQA group by the host) and, when set, p.grad_mask

@@ -224,8 +224,6 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
 
   load_tile(q_s, kLd, kM, kHeadDim, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row,
             p.q_stride.col, i0, L, p.head_dim);
-  const T* k_g = as<T>(p.k) + b * p.k_stride.b + hk * p.k_stride.h;
-  const T* v_g = as<T>(p.v) + b * p.v_stride.b + hk * p.v_stride.h;
 
   A o[kOT][4];
   zero(o);
@@ -234,8 +232,11 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   const int64_t kv_end = p.variant.end((i0 + kM < L ? i0 + kM : L) - 1, S);
   for (int64_t j0 = p.variant.begin(i0) / kN * kN; j0 < kv_end; j0 += kN) {
     sync_threads();  // the previous tile's readers are done with k_s, v_s
-    load_tile(k_s, kLd, kN, kHeadDim, k_g, p.k_stride.row, p.k_stride.col, j0, S, p.head_dim);
-    load_tile(v_s, kLd, kN, kHeadDim, v_g, p.v_stride.row, p.v_stride.col, j0, S, p.head_dim_v);
+    // the tile's rows from kv_offset of its first (a tile of a paged KV cache lies in one block)
+    load_tile(k_s, kLd, kN, kHeadDim, as<T>(p.k) + p.kv_offset(p.k_stride, b, hk, j0), p.k_stride.row,
+              p.k_stride.col, 0, S - j0, p.head_dim);
+    load_tile(v_s, kLd, kN, kHeadDim, as<T>(p.v) + p.kv_offset(p.v_stride, b, hk, j0), p.v_stride.row,
+              p.v_stride.col, 0, S - j0, p.head_dim_v);
     sync_threads();
 
     A s[kNT][4];
