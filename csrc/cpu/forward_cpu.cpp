@@ -81,7 +81,10 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   at::parallel_for(0, heads * n_splits, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> qr(R * E), s_buf(R * kBlockN);
     Buffer<uint16_t> q_bits(std::is_same_v<scalar_t, c10::BFloat16> ? R * E : 0);
-    Buffer<acc_t> k_buf(kBlockN * E), v_buf(kBlockN * Ev);
+    // K and V are read in place unless strided (or V is widened, kVRows rows
+    // at a time): sized for that only, as zeroing them was a tenth of a small call
+    Buffer<acc_t> k_buf(p.k_stride.col != 1 ? kBlockN * E : 0);
+    Buffer<acc_t> v_buf(tile_needs_pack<scalar_t, acc_t>(p.v_stride.col) ? kVRows * Ev : 0);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t split = w % n_splits, bk = w / n_splits, b = bk / Hkv, hk = bk % Hkv;
       const AttentionFwdParams sp = sequence_params<scalar_t, acc_t>(p, b);  // p itself without a KV cache
