@@ -10,8 +10,10 @@
 // on the CUDA cores (warp_mma below), so one kernel serves every dtype.
 //
 //   forward      grid (B * Hq, query blocks). Q tile kept in shared memory,
-//                K/V tiles streamed, online softmax in registers, output and
-//                logsumexp written at the end.
+//                K/V tiles streamed by cp.async into two stages (the next
+//                tile loads while this one computes), online softmax in
+//                registers, output and logsumexp written at the end; 16-bit
+//                operands by ldmatrix and P kept in registers.
 //   bwd_dot      D = rowsum(dO * O), one warp per row.
 //   backward     grid (B * Hq, key blocks). K/V tile kept, dK/dV accumulated
 //                in registers over the query tiles; dQ added atomically into an
@@ -35,8 +37,8 @@ using namespace mha_ext::simt;
 // Tile shapes per element type and padded head dim: 16 rows per warp. The
 // shared-memory bytes of each are listed in launch.h next to the launch.
 // Registers per thread (nvcc 13.0 -Xptxas -v, sm_80 / sm_90), head dim 64 / 128 / 256:
-//   forward   f16/bf16 128/161/214 | 143/156/216   float 174/226/252 | 168/186/252
-//             double 218/255/255 | 168/255/255 (256: ~0.8 KB spilled, the only spill)
+//   forward   f16/bf16 165/237/246 | 167/236/246   float 150/228/248 | 154/168/246
+//             double 228/242/255 | 244/254/255 (256: ~1.1 KB spilled, the only spill)
 //   backward  f16/bf16 223/223/242 | 219/220/241   float 168/168/214 | 130/130/166   double 254 | 255
 //   dQ        f16/bf16 158/160/162 | 159/152/166   float 208/208/188 | 165/165/146   double 210 | 168
 template <typename T, int kHeadDim>
@@ -58,8 +60,16 @@ struct TileConfig {
   static constexpr int kFwdBlockM = 16 * kFwdWarps;
   static constexpr int kBwdBlock = 16 * kBwdRowWarps;
   // row padding of the shared tiles: 16 bytes, so rows start in other banks
+  // (and every row on a 16-byte boundary, as cp.async and ldmatrix need)
   static constexpr int kPad = 16 / kElem;
   static constexpr int kLd = kHeadDim + kPad;  // Q/K/V/dO tile row stride
+  // forward: 16-bit types on the tensor cores keep P in registers (no P tile);
+  // K/V tiles double-buffered (the next one loads while this one computes)
+  // unless two stages outgrow 160 KiB of shared memory (double, head dim 256)
+  static constexpr bool kFwdPInRegisters = kElem == 2;
+  static constexpr int kFwdPBytes = kFwdPInRegisters ? 0 : kElem * kFwdBlockM * (kFwdBlockN + kPad);
+  static constexpr int kFwdKVStages = kElem * (kFwdBlockM + 4 * kFwdBlockN) * kLd + kFwdPBytes <= 160 * 1024 ? 2 : 1;
+  static constexpr int kFwdSharedBytes = kElem * (kFwdBlockM + 2 * kFwdKVStages * kFwdBlockN) * kLd + kFwdPBytes;
 };
 
 // A strided view of a shared-memory tile: element (r, c) at p[r * rs + c * cs].
@@ -126,6 +136,32 @@ MHA_DEVICE void load_tile(T* dst, int ld, int k_rows, int k_cols, const T* src, 
     const int r = idx / k_cols, c = idx % k_cols;
     const bool valid = r0 + r < rows && c < cols;
     dst[r * ld + c] = valid ? src[(r0 + r) * rs + c * cs] : to_elem<T>(0.f);
+  }
+}
+
+// The same copy issued asynchronously: 16-byte cp.async chunks where the
+// source rows are contiguous and 16-byte aligned (the common case), plain
+// stores for the rest (strided or misaligned inputs, the zero padding, a
+// partial last chunk). The caller commits the group and waits for it before
+// a barrier: cp.async data lands at the wait, the plain stores are visible
+// after the barrier.
+template <typename T>
+MHA_DEVICE void load_tile_async(T* dst, int ld, int k_rows, int k_cols, const T* src, int64_t rs, int64_t cs,
+                                int64_t rows, int64_t cols) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  const bool vec = cs == 1 && (rs * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(src) % 16 == 0;
+  if (!vec) return load_tile(dst, ld, k_rows, k_cols, src, rs, cs, 0, rows, cols);
+  const int chunks = k_cols / kVec, n = k_rows * chunks, step = static_cast<int>(block_dim().x);
+  for (int idx = static_cast<int>(thread_idx().x); idx < n; idx += step) {
+    const int r = idx / chunks, c = (idx % chunks) * kVec;
+    T* d = dst + r * ld + c;
+    if (r < rows && c + kVec <= cols) {
+      cp_async_16(d, src + r * rs + c);
+    } else {
+MHA_UNROLL
+      for (int x = 0; x < kVec; ++x) d[x] = (r < rows && c + x < cols) ? src[r * rs + c + x] : to_elem<T>(0.f);
+    }
   }
 }
 
@@ -201,17 +237,21 @@ MHA_DEVICE A row_max4(A x) {
 }
 
 // ---------------------------------------------------------------------------
-// Forward. Shared: Q (kBlockM x kLd), K and V (kBlockN x kLd), P (kBlockM x kLdP).
+// Forward. Shared: Q (kBlockM x kLd), kFwdKVStages x (K and V (kBlockN x
+// kLd)), and for float / double P (kBlockM x kLdP). 16-bit types: the Q, K
+// and V operands come from shared memory by ldmatrix (V transposed), and P
+// stays in registers: the C fragments of S = Q K^T, exponentiated, are the A
+// fragments of O += P V.
 template <typename T, int kHeadDim>
 MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   using A = typename AccOf<T>::type;
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kM = Cfg::kFwdBlockM, kN = Cfg::kFwdBlockN, kLd = Cfg::kLd, kLdP = kN + Cfg::kPad;
-  constexpr int kNT = kN / 8, kOT = kHeadDim / 8;
+  constexpr int kNT = kN / 8, kOT = kHeadDim / 8, kStages = Cfg::kFwdKVStages;
+  constexpr bool kPInRegisters = Cfg::kFwdPInRegisters;
   T* q_s = dynamic_shared<T>();
-  T* k_s = q_s + kM * kLd;
-  T* v_s = k_s + kN * kLd;
-  T* p_s = v_s + kN * kLd;
+  T* kv_s = q_s + kM * kLd;  // stage st: K at kv_s + 2 st kN kLd, V after it
+  T* p_s = kv_s + 2 * kStages * kN * kLd;
 
   const int tid = static_cast<int>(thread_idx().x), lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int64_t bh = block_idx().x, b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
@@ -230,18 +270,45 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   A m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {A(0), A(0)};
   // the key tiles some row of the block may see (causal alignment, window)
   const int64_t kv_end = p.variant.end((i0 + kM < L ? i0 + kM : L) - 1, S);
-  for (int64_t j0 = p.variant.begin(i0) / kN * kN; j0 < kv_end; j0 += kN) {
-    sync_threads();  // the previous tile's readers are done with k_s, v_s
-    // the tile's rows from kv_offset of its first (a tile of a paged KV cache lies in one block)
-    load_tile(k_s, kLd, kN, kHeadDim, as<T>(p.k) + p.kv_offset(p.k_stride, b, hk, j0), p.k_stride.row,
-              p.k_stride.col, 0, S - j0, p.head_dim);
-    load_tile(v_s, kLd, kN, kHeadDim, as<T>(p.v) + p.kv_offset(p.v_stride, b, hk, j0), p.v_stride.row,
-              p.v_stride.col, 0, S - j0, p.head_dim_v);
-    sync_threads();
+  const int64_t j_first = p.variant.begin(i0) / kN * kN;
+  // Issues the loads of the tile at key j into stage st, as one cp.async
+  // group; its rows from kv_offset of its first (a tile of a paged KV cache
+  // lies in one block).
+  auto issue = [&](int64_t j, int st) {
+    T* k_dst = kv_s + 2 * st * kN * kLd;
+    load_tile_async(k_dst, kLd, kN, kHeadDim, as<T>(p.k) + p.kv_offset(p.k_stride, b, hk, j), p.k_stride.row,
+                    p.k_stride.col, S - j, p.head_dim);
+    load_tile_async(k_dst + kN * kLd, kLd, kN, kHeadDim, as<T>(p.v) + p.kv_offset(p.v_stride, b, hk, j),
+                    p.v_stride.row, p.v_stride.col, S - j, p.head_dim_v);
+    cp_async_commit();
+  };
+  if (j_first < kv_end) issue(j_first, 0);
+  int stage = 0;
+  for (int64_t j0 = j_first; j0 < kv_end; j0 += kN, stage = (stage + 1) % kStages) {
+    cp_async_wait<0>();
+    sync_threads();  // this tile is in for every thread; the other stage's readers are done
+    if (kStages == 2 && j0 + kN < kv_end) issue(j0 + kN, 1 - stage);  // the next tile loads meanwhile
+    const T* k_s = kv_s + 2 * stage * kN * kLd;
+    const T* v_s = k_s + kN * kLd;
 
     A s[kNT][4];
     zero(s);
-    warp_mma<T>(s, Tile2<T>{q_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane);
+    if constexpr (kPInRegisters) {  // S = Q K^T, the operands by ldmatrix: Q rows (A), K rows (B, two n-tiles)
+      for (int k0 = 0; k0 < kHeadDim; k0 += 16) {
+        uint32_t af[4];
+        ldmatrix_x4(af, q_s + (warp * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * kLd + k0 + 8 * (lane / 16));
+MHA_UNROLL
+        for (int nt = 0; nt < kNT; nt += 2) {
+          uint32_t kf[4];
+          ldmatrix_x4(kf, k_s + (8 * nt + 8 * (lane / 16) + lane % 8) * kLd + k0 + 8 * ((lane / 8) % 2));
+          const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+          mma_m16n8k16<T>(s[nt], af, b0);
+          mma_m16n8k16<T>(s[nt + 1], af, b1);
+        }
+      }
+    } else {
+      warp_mma<T>(s, Tile2<T>{q_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane);
+    }
 
     A tile_max[2] = {-INFINITY, -INFINITY};
 MHA_UNROLL
@@ -281,9 +348,14 @@ MHA_UNROLL
           p0 = w.w[jf & 3] >= p.dropout.drop_threshold ? p0 * rescale : A(0);
           p1 = w1.w[(jf + 1) & 3] >= p.dropout.drop_threshold ? p1 * rescale : A(0);
         }
-        T* dst = p_s + (warp * 16 + MmaLayout::c_row(lane, e)) * kLdP + 8 * t + MmaLayout::c_col(lane, e);
-        dst[0] = to_elem<T>(p0);
-        dst[1] = to_elem<T>(p1);
+        if constexpr (kPInRegisters) {
+          s[t][e] = p0;
+          s[t][e + 1] = p1;
+        } else {
+          T* dst = p_s + (warp * 16 + MmaLayout::c_row(lane, e)) * kLdP + 8 * t + MmaLayout::c_col(lane, e);
+          dst[0] = to_elem<T>(p0);
+          dst[1] = to_elem<T>(p1);
+        }
       }
 MHA_UNROLL
     for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + part[r];
@@ -291,8 +363,30 @@ MHA_UNROLL
     for (int t = 0; t < kOT; ++t)
 MHA_UNROLL
       for (int e = 0; e < 4; ++e) o[t][e] *= alpha[e / 2];
-    sync_warp();  // the warp's P rows are written
-    warp_mma<T>(o, Tile2<T>{p_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{v_s, kLd, 1}, kN, lane);
+    if constexpr (kPInRegisters) {  // O += P V: P's A fragments from the C fragments of 16 keys, V by ldmatrix.trans
+MHA_UNROLL
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        const uint32_t pa[4] = {pack2(to_elem<T>(s[2 * kk][0]), to_elem<T>(s[2 * kk][1])),
+                                pack2(to_elem<T>(s[2 * kk][2]), to_elem<T>(s[2 * kk][3])),
+                                pack2(to_elem<T>(s[2 * kk + 1][0]), to_elem<T>(s[2 * kk + 1][1])),
+                                pack2(to_elem<T>(s[2 * kk + 1][2]), to_elem<T>(s[2 * kk + 1][3]))};
+MHA_UNROLL
+        for (int ot = 0; ot < kOT; ot += 2) {
+          uint32_t vf[4];
+          ldmatrix_x4_trans(vf, v_s + (16 * kk + 8 * ((lane / 8) % 2) + lane % 8) * kLd + 8 * (ot + lane / 16));
+          const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+          mma_m16n8k16<T>(o[ot], pa, b0);
+          mma_m16n8k16<T>(o[ot + 1], pa, b1);
+        }
+      }
+    } else {
+      sync_warp();  // the warp's P rows are written
+      warp_mma<T>(o, Tile2<T>{p_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{v_s, kLd, 1}, kN, lane);
+    }
+    if (kStages == 1 && j0 + kN < kv_end) {
+      sync_threads();  // every reader is done with the one stage
+      issue(j0 + kN, 0);
+    }
   }
 
   A l[2], inv[2];
