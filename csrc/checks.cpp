@@ -332,6 +332,11 @@ void check_rng_state(const at::Tensor& r, const at::Device& query_device, int64_
               frame_len_q, " (the query length), got (", f[0], ", ", f[1], ", ", f[2], ")");
 }
 
+void check_compute_capability(int major, int minor, const std::string& gpu) {
+  TORCH_CHECK(major >= 8, "mha_ext's CUDA kernels need a GPU of compute capability 8.0 (sm_80) or newer; ", gpu,
+              " has compute capability ", major, ".", minor);
+}
+
 void check_same_shape(const char* name, const at::Tensor& t, at::IntArrayRef expected,
                       const at::Tensor& like, std::optional<at::ScalarType> dtype) {
   const at::ScalarType want = dtype.value_or(like.scalar_type());

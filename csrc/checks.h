@@ -76,6 +76,11 @@ void check_dropout_p(double dropout_p);
 // values are checked when they are on the CPU.
 void check_rng_state(const at::Tensor& rng_state, const at::Device& query_device, int64_t frame_len_q = -1);
 
+// The CUDA kernels need compute capability 8.0 (sm_80: mma.sync with
+// bfloat16, cp.async) or newer: a clear error naming the GPU and its
+// capability otherwise (instead of "no kernel image" at the first launch).
+void check_compute_capability(int major, int minor, const std::string& gpu);
+
 // Checks that `name` has exactly `expected` sizes (and query's dtype/device
 // unless `dtype` is given).
 void check_same_shape(const char* name, const at::Tensor& t, at::IntArrayRef expected,

@@ -54,11 +54,20 @@ inline void check_device_limits(const AttentionShape& s) {
               ", got L = ", s.len_q, ", S = ", s.len_kv);
 }
 
-// The tile configuration of this dtype and head dim must fit the GPU's
-// shared memory per block (float64 at head dim > 128 needs 132 KiB: sm_80 /
-// sm_90 have it, sm_86 / sm_89 do not).
-inline void check_shared_memory(const at::Tensor& query, const AttentionShape& s) {
+// The GPU must be sm_80 or newer, and the tile configuration of this dtype
+// and head dim must fit its shared memory per block (float64 at head dim >
+// 128 needs 132 KiB: sm_80 / sm_90 have it, sm_86 / sm_89 do not).
+inline void check_gpu(const at::Tensor& query, const AttentionShape& s) {
 #if defined(__CUDACC__)
+  const int index = query.device().index();
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index));
+  if (major < 8) {  // the name only for the error
+    cudaDeviceProp prop;
+    C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, index));
+    check_compute_capability(major, minor, prop.name);
+  }
   int optin = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, query.device().index()));
   const size_t need = dispatch_device_type(query.scalar_type(), "attention", [&](auto elem) {
@@ -157,7 +166,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_fwd_device(
                                   rng_state, check_device_limits,
                                   [&] { return draw_rng_state(query, key.size(-2)); });
   if (!c.has_rows) return {c.out, c.lse, c.rng_state};
-  check_shared_memory(query, c.s);
+  check_gpu(query, c.s);
   if (c.s.len_kv == 0) {  // no keys: every row fully masked
     c.out.zero_();
     c.lse.fill_(-std::numeric_limits<double>::infinity());
@@ -208,7 +217,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_
     dv_heads.zero_();
   } else {
     AttentionBwdParams& p = c.p;
-    check_shared_memory(query, s);
+    check_gpu(query, s);
     const at::Tensor rng_c = rng_state.contiguous();
     read_rng_on_device(p.dropout, rng_c, query);
     at::Tensor row_stats = at::empty({3, B, Hq, L}, acc_opts);  // D, row_shift, row_log_norm

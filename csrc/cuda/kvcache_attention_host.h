@@ -30,7 +30,7 @@ inline std::tuple<at::Tensor, at::Tensor> kvcache_attention_device(
   KVCacheCall c = prepare_kvcache(query, k_cache, v_cache, cache_seqlens, k_new, v_new, scale, va, block_table);
   if (!c.has_rows) return {c.out, c.lse};
   check_device_limits(c.s);
-  check_shared_memory(query, c.s);
+  check_gpu(query, c.s);
   const simt::Stream stream = current_stream(query);
   dispatch_device_type(query.scalar_type(), "kvcache_attention", [&](auto elem) {
     using T = decltype(elem);

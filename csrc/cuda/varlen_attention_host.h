@@ -31,7 +31,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd_devic
                                                [&] { return draw_rng_state(query, max_seqlen_k); });
   if (!c.has_rows) return {c.out, c.lse, c.rng_state};
   check_device_limits(c.s);
-  check_shared_memory(query, c.s);
+  check_gpu(query, c.s);
   read_rng_on_device(c.p.dropout, c.rng_state, query);
   const simt::Stream stream = current_stream(query);
   dispatch_device_type(query.scalar_type(), "varlen_attention", [&](auto elem) {
@@ -71,7 +71,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_devic
   if (c.has_heads && s.len_q > 0 && s.len_kv > 0) {
     AttentionBwdParams& p = c.p;
     check_device_limits(s);
-    check_shared_memory(query, s);
+    check_gpu(query, s);
     const at::Tensor rng_c = rng_state.contiguous();
     read_rng_on_device(p.dropout, rng_c, query);
     at::Tensor row_stats = at::empty({3, Hq, Tq}, acc_opts);  // D, row_shift, row_log_norm: lse's layout

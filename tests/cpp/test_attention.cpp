@@ -10,6 +10,7 @@
 #include <string>
 #include <tuple>
 
+#include "../../csrc/checks.h"
 #include "reference.h"
 
 namespace {
@@ -129,6 +130,23 @@ TEST(Attention, ClearErrors) {
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
               "key must have the same number of heads as query (4) unless enable_gqa=True, got 2");
+  }
+}
+
+// The CUDA host code asks this of the GPU before any launch: sm_80 and newer
+// pass, older GPUs get an error naming them and their capability.
+TEST(Attention, ComputeCapabilityCheck) {
+  EXPECT_NO_THROW(mha_ext::check_compute_capability(8, 0, "NVIDIA A100-SXM4-80GB"));
+  EXPECT_NO_THROW(mha_ext::check_compute_capability(9, 0, "NVIDIA H100 80GB HBM3"));
+  EXPECT_NO_THROW(mha_ext::check_compute_capability(12, 0, "a newer GPU"));
+  try {
+    mha_ext::check_compute_capability(7, 5, "Tesla T4");
+    FAIL() << "no error for sm_75";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("mha_ext's CUDA kernels need a GPU of compute capability 8.0 (sm_80) or "
+                                         "newer; Tesla T4 has compute capability 7.5"),
+              std::string::npos)
+        << e.what();
   }
 }
 
