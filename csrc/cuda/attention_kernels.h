@@ -37,8 +37,8 @@ using namespace mha_ext::simt;
 // Tile shapes per element type and padded head dim: 16 rows per warp. The
 // shared-memory bytes of each are listed in launch.h next to the launch.
 // Registers per thread (nvcc 13.0 -Xptxas -v, sm_80 / sm_90), head dim 64 / 128 / 256:
-//   forward   f16/bf16 165/237/246 | 167/236/246   float 150/228/248 | 154/168/246
-//             double 228/242/255 | 244/254/255 (256: ~1.1 KB spilled, the only spill)
+//   forward   f16/bf16 165/239/248 | 164/255/250   float 168/232/250 | 148/168/248
+//             double 220/246/255 | 220/254/255 (256: ~1.1 KB spilled, the only spill)
 //   backward  f16/bf16 223/223/242 | 219/220/241   float 168/168/214 | 130/130/166   double 254 | 255
 //   dQ        f16/bf16 158/160/162 | 159/152/166   float 208/208/188 | 165/165/146   double 210 | 168
 template <typename T, int kHeadDim>
@@ -193,6 +193,31 @@ MHA_DEVICE A masked_score(const AttentionFwdParams& p, int64_t b, int64_t h, int
   return x;
 }
 
+// The forward's softmax units: base 2 for float accumulation (exp2, the
+// scale times log2(e) folded into the scores), base e for double.
+// from_nats: a score in these units; a finite score that would overflow
+// (finfo.min padding in a float mask) is clamped to the largest finite value,
+// so a row padded everywhere stays uniform instead of "masked out" (as the
+// CPU kernels' mask_in_units).
+template <typename A>
+struct SoftmaxUnits {
+  static constexpr A kPerNat = A(1);
+  MHA_DEVICE static A from_nats(A x) { return x; }
+  MHA_DEVICE static A exp(A x) { return fexp(x); }
+  MHA_DEVICE static A log(A x) { return flog(x); }
+};
+template <>
+struct SoftmaxUnits<float> {
+  static constexpr float kPerNat = 1.4426950408889634f;  // log2(e)
+  static constexpr float kMax = 3.40282347e+38f;
+  MHA_DEVICE static float from_nats(float x) {
+    const float u = x * kPerNat;
+    return (u < -kMax && x >= -kMax) ? -kMax : ((u > kMax && x <= kMax) ? kMax : u);
+  }
+  MHA_DEVICE static float exp(float x) { return fexp2(x); }
+  MHA_DEVICE static float log(float x) { return flog2(x); }
+};
+
 // d(score) / d(scale * dot product): the softcap's 1 - tanh^2, else 1.
 template <typename A>
 MHA_DEVICE A score_slope(const AttentionFwdParams& p, A s) {
@@ -249,6 +274,7 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   constexpr int kM = Cfg::kFwdBlockM, kN = Cfg::kFwdBlockN, kLd = Cfg::kLd, kLdP = kN + Cfg::kPad;
   constexpr int kNT = kN / 8, kOT = kHeadDim / 8, kStages = Cfg::kFwdKVStages;
   constexpr bool kPInRegisters = Cfg::kFwdPInRegisters;
+  using Units = SoftmaxUnits<A>;
   T* q_s = dynamic_shared<T>();
   T* kv_s = q_s + kM * kLd;  // stage st: K at kv_s + 2 st kN kLd, V after it
   T* p_s = kv_s + 2 * kStages * kN * kLd;
@@ -260,6 +286,7 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   const int64_t L = p.len_q, S = p.len_kv;
   if (i0 >= L) return;  // a block past a shorter sequence's rows (varlen)
   const A rescale = static_cast<A>(p.dropout.rescale);
+  const A score_unit = static_cast<A>(p.scale) * Units::kPerNat;
   const DropoutKey key = dropout_key(p.dropout);
 
   load_tile(q_s, kLd, kM, kHeadDim, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row,
@@ -310,22 +337,39 @@ MHA_UNROLL
       warp_mma<T>(s, Tile2<T>{q_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane);
     }
 
+    // Scores in the softmax's units. A tile that every row of the warp sees
+    // whole (inside the lengths and the causal / window band, no mask, no
+    // softcap or ALiBi) is only scaled; edge and diagonal tiles go through
+    // masked_score per element.
     A tile_max[2] = {-INFINITY, -INFINITY};
+    const int64_t iw0 = i0 + warp * 16;
+    const bool interior = p.mask_kind == MaskKind::kNone && !p.variant.changes_scores() && iw0 + 15 < L &&
+                          j0 + kN <= S && p.variant.begin(iw0 + 15) <= j0 && p.variant.end(iw0, S) >= j0 + kN;
+    if (interior) {
 MHA_UNROLL
-    for (int t = 0; t < kNT; ++t)
+      for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, e);
-        const int64_t j = j0 + 8 * t + MmaLayout::c_col(lane, e);
-        s[t][e] = (i < L && j < S) ? masked_score<T>(p, b, h, i, j, s[t][e]) : A(-INFINITY);
-        tile_max[e / 2] = nan_max(tile_max[e / 2], s[t][e]);
-      }
+        for (int e = 0; e < 4; ++e) {
+          s[t][e] *= score_unit;
+          tile_max[e / 2] = nan_max(tile_max[e / 2], s[t][e]);
+        }
+    } else {
+MHA_UNROLL
+      for (int t = 0; t < kNT; ++t)
+MHA_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int64_t i = iw0 + MmaLayout::c_row(lane, e);
+          const int64_t j = j0 + 8 * t + MmaLayout::c_col(lane, e);
+          s[t][e] = (i < L && j < S) ? Units::from_nats(masked_score<T>(p, b, h, i, j, s[t][e])) : A(-INFINITY);
+          tile_max[e / 2] = nan_max(tile_max[e / 2], s[t][e]);
+        }
+    }
     A alpha[2];
 MHA_UNROLL
     for (int r = 0; r < 2; ++r) {
       const A new_max = nan_max(m_run[r], row_max4(tile_max[r]));
       // alpha rescales what was accumulated under the old max (nothing yet if it was -inf)
-      alpha[r] = m_run[r] == A(-INFINITY) ? A(0) : fexp(m_run[r] - new_max);
+      alpha[r] = m_run[r] == A(-INFINITY) ? A(0) : Units::exp(m_run[r] - new_max);
       m_run[r] = new_max;
     }
     A part[2] = {A(0), A(0)};
@@ -336,8 +380,8 @@ MHA_UNROLL
         const int r = e / 2;
         const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, e);
         const int64_t j = j0 + 8 * t + MmaLayout::c_col(lane, e);
-        A p0 = m_run[r] == A(-INFINITY) ? A(0) : fexp(s[t][e] - m_run[r]);
-        A p1 = m_run[r] == A(-INFINITY) ? A(0) : fexp(s[t][e + 1] - m_run[r]);
+        A p0 = m_run[r] == A(-INFINITY) ? A(0) : Units::exp(s[t][e] - m_run[r]);
+        A p1 = m_run[r] == A(-INFINITY) ? A(0) : Units::exp(s[t][e + 1] - m_run[r]);
         part[r] += p0 + p1;
         if (p.dropout.enabled() && i < L) {
           // columns j, j + 1 (j even) share one Philox block unless the frame's col0 is odd
@@ -409,8 +453,8 @@ MHA_UNROLL
 MHA_UNROLL
     for (int r = 0; r < 2; ++r) {
       const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, 2 * r);
-      // -inf for a fully masked row; NaN stays NaN
-      if (i < L) lse[i] = l[r] > A(0) ? m_run[r] + flog(l[r]) : (l[r] == l[r] ? A(-INFINITY) : l[r]);
+      // natural log; -inf for a fully masked row; NaN stays NaN
+      if (i < L) lse[i] = l[r] > A(0) ? (m_run[r] + Units::log(l[r])) / Units::kPerNat : (l[r] == l[r] ? A(-INFINITY) : l[r]);
     }
   }
 }

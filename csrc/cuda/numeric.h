@@ -30,6 +30,8 @@ MHA_DEVICE uint16_t bits_of(f16 x) { return __half_as_ushort(x); }
 MHA_DEVICE uint16_t bits_of(bf16 x) { return __bfloat16_as_ushort(x); }
 MHA_DEVICE float fexp(float x) { return expf(x); }
 MHA_DEVICE double fexp(double x) { return exp(x); }
+MHA_DEVICE float fexp2(float x) { return exp2f(x); }
+MHA_DEVICE float flog2(float x) { return log2f(x); }
 MHA_DEVICE float flog(float x) { return logf(x); }
 MHA_DEVICE double flog(double x) { return log(x); }
 MHA_DEVICE float ftanh(float x) { return tanhf(x); }
@@ -49,6 +51,8 @@ inline uint16_t bits_of(f16 x) { return x.x; }
 inline uint16_t bits_of(bf16 x) { return x.x; }
 inline float fexp(float x) { return std::exp(x); }
 inline double fexp(double x) { return std::exp(x); }
+inline float fexp2(float x) { return std::exp2(x); }
+inline float flog2(float x) { return std::log2(x); }
 inline float flog(float x) { return std::log(x); }
 inline double flog(double x) { return std::log(x); }
 inline float ftanh(float x) { return std::tanh(x); }
