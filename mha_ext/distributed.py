@@ -60,24 +60,32 @@ def _check_layout(layout):
         raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
 
 
-def _check_same_on_every_rank(q, k, v, group, world, layout, dropout_p, rng):
+def _check_same_on_every_rank(q, k, v, group, world, layout, dropout_p, rng, failure):
     """Shapes, dtypes, dropout_p and the layout's divisibility, compared across
     ranks with one all_gather: every rank sees the same list, so every rank
     raises the same error (no rank is left waiting in a send). The same
-    all_gather hands every rank rank 0's dropout (seed, offset), returned."""
+    all_gather hands every rank rank 0's dropout (seed, offset), returned, and
+    tells every rank whether drawing it failed on some rank (`failure`: this
+    rank's error, re-raised here)."""
     def code(t):
         return [t.dim()] + list(t.shape) + [0] * (8 - t.dim())
 
     p_bits = torch.tensor([dropout_p], dtype=torch.float64).view(torch.int64).item()
-    mine = torch.tensor(code(q) + code(k) + code(v) + [_FLOAT_CODES.get(q.dtype, -1), p_bits], dtype=torch.int64)
+    mine = torch.tensor(code(q) + code(k) + code(v) + [_FLOAT_CODES.get(q.dtype, -1), p_bits, int(failure is not None)],
+                        dtype=torch.int64)
     mine = torch.cat([mine.to(rng.device), rng])
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
-    rows = [e.cpu().tolist()[:-2] for e in every]
-    if any(r != rows[0] for r in rows):
-        bad = [i for i, r in enumerate(rows) if r != rows[0]]
+    rows = [e.cpu().tolist() for e in every]
+    if any(r[:-3] != rows[0][:-3] for r in rows):
+        bad = [i for i, r in enumerate(rows) if r[:-3] != rows[0][:-3]]
         raise RuntimeError(f"ring_attention: q, k, v must have the same shapes and dtype, and dropout_p the same "
                            f"value, on every rank; ranks {bad} differ from rank 0 (shards of unequal length?)")
+    failed = [i for i, r in enumerate(rows) if r[-3]]
+    if failure is not None:
+        raise RuntimeError(f"ring_attention: invalid inputs on ranks {failed}: {failure}") from failure
+    if failed:
+        raise RuntimeError(f"ring_attention: invalid inputs on ranks {failed} (their error names the argument)")
     if q.shape[-2] != k.shape[-2]:
         raise RuntimeError(f"ring_attention: q and k shards must have the same length, got {q.shape[-2]} and "
                            f"{k.shape[-2]}")
@@ -167,8 +175,11 @@ class _RingAttention(torch.autograd.Function):
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
         gqa = q.shape[-3] != k.shape[-3]
-        rng = _check_same_on_every_rank(q, k, v, group, world, layout, dropout_p,
-                                        _draw_rng(q, k, world, dropout_p))
+        try:
+            drawn, failure = _draw_rng(q, k, world, dropout_p), None
+        except RuntimeError as e:  # invalid inputs here: every rank must hear of it, not wait
+            drawn, failure = torch.zeros(2, dtype=torch.int64, device=q.device), e
+        rng = _check_same_on_every_rank(q, k, v, group, world, layout, dropout_p, drawn, failure)
         rng = rng if dropout_p > 0.0 else None
         n = 1 if layout == "contiguous" else 2
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32

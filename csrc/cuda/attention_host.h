@@ -75,7 +75,8 @@ inline void check_gpu(const at::Tensor& query, const AttentionShape& s) {
   });
   TORCH_CHECK(need <= static_cast<size_t>(optin), "the CUDA kernels for ", dtype_name(query.scalar_type()),
               " with head dim ", std::max(s.head_dim, s.head_dim_v), " need ", need / 1024,
-              " KiB of shared memory per block; this GPU allows ", optin / 1024, " KiB (use float32)");
+              " KiB of shared memory per block; this GPU allows ", optin / 1024, " KiB",
+              query.scalar_type() == at::kDouble ? " (float32 needs less)" : "");
 #else
   (void)query;
   (void)s;

@@ -65,10 +65,11 @@ struct TileConfig {
   static constexpr int kLd = kHeadDim + kPad;  // Q/K/V/dO tile row stride
   // forward: 16-bit types on the tensor cores keep P in registers (no P tile);
   // K/V tiles double-buffered (the next one loads while this one computes)
-  // unless two stages outgrow 160 KiB of shared memory (double, head dim 256)
+  // unless two stages outgrow the 99 KiB per block of sm_86 / sm_89 / sm_120
+  // GPUs (float and double at head dim 256 keep one stage and run there)
   static constexpr bool kFwdPInRegisters = kElem == 2;
   static constexpr int kFwdPBytes = kFwdPInRegisters ? 0 : kElem * kFwdBlockM * (kFwdBlockN + kPad);
-  static constexpr int kFwdKVStages = kElem * (kFwdBlockM + 4 * kFwdBlockN) * kLd + kFwdPBytes <= 160 * 1024 ? 2 : 1;
+  static constexpr int kFwdKVStages = kElem * (kFwdBlockM + 4 * kFwdBlockN) * kLd + kFwdPBytes <= 99 * 1024 ? 2 : 1;
   static constexpr int kFwdSharedBytes = kElem * (kFwdBlockM + 2 * kFwdKVStages * kFwdBlockN) * kLd + kFwdPBytes;
 };
 
@@ -286,7 +287,7 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   const int64_t L = p.len_q, S = p.len_kv;
   if (i0 >= L) return;  // a block past a shorter sequence's rows (varlen)
   const A rescale = static_cast<A>(p.dropout.rescale);
-  const A score_unit = static_cast<A>(p.scale) * Units::kPerNat;
+  const A scale = static_cast<A>(p.scale);
   const DropoutKey key = dropout_key(p.dropout);
 
   load_tile(q_s, kLd, kM, kHeadDim, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row,
@@ -340,7 +341,7 @@ MHA_UNROLL
     // Scores in the softmax's units. A tile that every row of the warp sees
     // whole (inside the lengths and the causal / window band, no mask, no
     // softcap or ALiBi) is only scaled; edge and diagonal tiles go through
-    // masked_score per element.
+    // masked_score per element. Both clamp the same way (from_nats).
     A tile_max[2] = {-INFINITY, -INFINITY};
     const int64_t iw0 = i0 + warp * 16;
     const bool interior = p.mask_kind == MaskKind::kNone && !p.variant.changes_scores() && iw0 + 15 < L &&
@@ -350,7 +351,7 @@ MHA_UNROLL
       for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
         for (int e = 0; e < 4; ++e) {
-          s[t][e] *= score_unit;
+          s[t][e] = Units::from_nats(s[t][e] * scale);
           tile_max[e / 2] = nan_max(tile_max[e / 2], s[t][e]);
         }
     } else {

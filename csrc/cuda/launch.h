@@ -37,17 +37,18 @@ inline int padded_head_dim(int64_t e, int64_t ev) {
   }()
 
 // Shared-memory bytes of the forward (TileConfig::kFwdSharedBytes): Q, two
-// stages of K and V tiles (one for double at head dim 256), and P for float
-// and double.
+// stages of K and V tiles (one for float and double at head dim 256), and P
+// for float and double.
 //   f16/bf16: D 64: 45.0 KiB, 128: 85.0 KiB, 256: 99.0 KiB
-//   float:    D 64: 60.0 KiB, 128: 87.0 KiB, 256: 100.0 KiB
+//   float:    D 64: 60.0 KiB, 128: 87.0 KiB, 256: 67.5 KiB
 //   double:   D 64: 54.0 KiB, 128: 83.5 KiB, 256: 99.0 KiB
-// (A100 allows 163 KiB per block, H100 227 KiB.)
+// (A100 allows 163 KiB per block, H100 227 KiB, sm_86 / sm_89 / sm_120 99 KiB.)
 template <typename T, int kHeadDim>
 constexpr size_t fwd_shared_bytes() {
   return TileConfig<T, kHeadDim>::kFwdSharedBytes;
 }
-static_assert(fwd_shared_bytes<f16, 64>() == 45 * 1024 && fwd_shared_bytes<float, 128>() == 89088 &&
+static_assert(fwd_shared_bytes<f16, 64>() == 45 * 1024 && fwd_shared_bytes<f16, 256>() == 99 * 1024 &&
+              fwd_shared_bytes<float, 128>() == 89088 && fwd_shared_bytes<float, 256>() == 69120 &&
               fwd_shared_bytes<double, 256>() == 101376 && fwd_shared_bytes<double, 128>() == 85504);
 
 // Backward (both kernels): K, V, Q, dO tiles, P^T / dS^T, and per row
