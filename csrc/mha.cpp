@@ -65,6 +65,14 @@ TORCH_LIBRARY(mha_ext, m) {
   // j is row j % block_size of block block_table[b, j / block_size].
   m.def(mha_ext::kKVCacheAttentionSchema);
 
+  // The dropout (seed, offset) that `attention` draws for a call with
+  // dropout, no rng_state, a query like `like` (its device) and len_kv keys,
+  // drawn from the generator of like's device and advancing it as that call
+  // would (on a GPU by ceil(len_kv / 4) Philox blocks per row), returned on
+  // like's device. For callers that attend one sequence block by block with
+  // dropout frames (ring attention), however long the whole sequence.
+  m.def(mha_ext::kDrawRngStateSchema);
+
   // The keep mask (True = kept) that `attention` applies for this rng_state
   // and dropout_p, as a bool tensor of `shape` = (N..., H, L, S). For need_weights
   // paths and tests; the fused ops never materialise it.

@@ -38,4 +38,6 @@ inline constexpr const char* kKVCacheAttentionSchema =
     "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? block_table=None) -> "
     "(Tensor out, Tensor logsumexp)";
 
+inline constexpr const char* kDrawRngStateSchema = "draw_rng_state(Tensor like, int len_kv) -> Tensor";
+
 }  // namespace mha_ext

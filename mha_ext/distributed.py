@@ -22,6 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .ops import check_attention_inputs
+
 __all__ = ["ring_attention", "shard", "unshard"]
 
 _LAYOUTS = ("contiguous", "zigzag")
@@ -139,15 +141,11 @@ class _Ring:
 
 def _draw_rng(q, k, world, dropout_p):
     """The dropout (seed, offset) that one process attending the whole
-    sequence would draw (the op draws it, from the generator of q's device,
-    for a call with no query rows and the whole key length); zeros without
-    dropout."""
-    if dropout_p == 0.0 or k.shape[-2] == 0:
+    sequence would draw (from the generator of q's device, advanced as that
+    call advances it); zeros without dropout."""
+    if dropout_p == 0.0:
         return torch.zeros(2, dtype=torch.int64, device=q.device)
-    whole = k[..., :1, :].expand(*k.shape[:-2], k.shape[-2] * world, k.shape[-1])
-    _, _, rng = torch.ops.mha_ext.attention(q[..., :0, :], whole, whole, None, dropout_p, False, None,
-                                            q.shape[-3] != k.shape[-3])
-    return rng
+    return torch.ops.mha_ext.draw_rng_state(q, k.shape[-2] * world)
 
 
 def _pairs(rank, src, world, layout, causal, chunk, rng):
@@ -175,7 +173,8 @@ class _RingAttention(torch.autograd.Function):
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
         gqa = q.shape[-3] != k.shape[-3]
-        try:
+        try:  # the op's own checks, before any transfer
+            check_attention_inputs(q, k, v, None, dropout_p, gqa)
             drawn, failure = _draw_rng(q, k, world, dropout_p), None
         except RuntimeError as e:  # invalid inputs here: every rank must hear of it, not wait
             drawn, failure = torch.zeros(2, dtype=torch.int64, device=q.device), e

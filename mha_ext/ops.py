@@ -195,6 +195,12 @@ def _attention_backward_fake(grad_out, query, key, value, out, logsumexp, attn_m
     )
 
 
+@torch.library.register_fake("mha_ext::draw_rng_state")
+def _draw_rng_state_fake(like, len_kv):
+    _check(len_kv >= 0, lambda: f"len_kv must be >= 0, got {len_kv}")
+    return torch.empty(2, dtype=torch.int64, device=like.device)
+
+
 @torch.library.register_fake("mha_ext::dropout_mask")
 def _dropout_mask_fake(rng_state, shape, dropout_p):
     _check(len(shape) > 0, lambda: "shape must have at least 1 dim, got ()")

@@ -59,6 +59,9 @@ class OnCuda:
     def varlen_attention(self, *args):
         return self._call(torch.ops.mha_ext.varlen_attention, 10, args)
 
+    def draw_rng_state(self, like, len_kv):
+        return torch.ops.mha_ext.draw_rng_state(like.cuda(), len_kv).cpu()
+
     def varlen_attention_backward(self, *args):
         return self._call(torch.ops.mha_ext.varlen_attention_backward, 13, args)
 
@@ -247,6 +250,17 @@ def test_emul_dropout_without_rng_state_draws_one(backend):
     cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, None, 0.25, rng=rng.cpu())
     for a, c in zip(ours[:3], cpu[:3]):
         torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
+
+
+def test_emul_draw_rng_state_is_what_the_op_draws(backend):
+    # (seed, offset) and the generator's advance of a forward with dropout and
+    # no rng_state, for a key length past the kernels' sequence limit
+    q, k, v = make((1, 2, 2, 30, 41, 16, 16), torch.float64)
+    torch.manual_seed(9)
+    drawn = backend.draw_rng_state(q, 2**21)
+    torch.manual_seed(9)
+    _, _, used = backend.attention(q, k, v, None, 0.25, False, None, False, None)
+    assert torch.equal(drawn.cpu(), used.cpu())
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

@@ -87,7 +87,7 @@ def _worker(rank, world, init_file, task, results, backend="gloo"):
                 out.append("no error")
             except RuntimeError as e:
                 out.append(str(e))
-            # with dropout, 3 key/value heads (not dividing 4) fail the op's draw before the shape check:
+            # 3 key/value heads (not dividing 4) fail the op's checks, run before any transfer:
             # on rank 1 only, then on every rank
             for heads in (4 if rank == 0 else 3, 3):
                 kv = torch.randn(1, heads, 8, 8)
@@ -228,7 +228,7 @@ def test_ring_attention_mismatched_shards_raise_on_every_rank():
         assert isinstance(msgs, list), f"rank {rank} failed:\n{msgs}"
         assert "must have the same shapes and dtype, and dropout_p the same value, on every rank; ranks [1] differ" \
             in msgs[0], msgs[0]
-        assert "ranks [1] differ" in msgs[1], msgs[1]  # rank 1's op failed drawing the dropout state: no hang
+        assert "ranks [1] differ" in msgs[1], msgs[1]  # rank 1's inputs failed the op's checks: no hang
         assert "invalid inputs on ranks [0, 1]: query heads (4) must be a multiple of key/value heads (3)" in msgs[2], \
             msgs[2]
 

@@ -144,3 +144,21 @@ def test_dropout_frame_errors():
                                            r"on the CPU, got torch.int64 of shape \(5\)"):
         torch.ops.mha_ext.varlen_attention(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), cu, cu,
                                            10, 10, 0.2, False, None, torch.tensor([1, 2, 20, 0, 0]))
+
+
+def test_draw_rng_state_is_what_the_op_draws():
+    # the (seed, offset) of a call with dropout and no rng_state, and the generator advanced alike
+    q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+    torch.manual_seed(3)
+    drawn = torch.ops.mha_ext.draw_rng_state(q, 9)
+    after = torch.rand(4)
+    torch.manual_seed(3)
+    _, _, used = torch.ops.mha_ext.attention(q, k, v, None, 0.4)
+    assert torch.equal(drawn, used) and torch.equal(torch.rand(4), after)
+    with pytest.raises(RuntimeError, match=r"len_kv must be >= 0, got -1"):
+        torch.ops.mha_ext.draw_rng_state(q, -1)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = torch.ops.mha_ext.draw_rng_state(mode.from_tensor(q), 2**40)  # no length limit
+        assert fake.shape == (2,) and fake.dtype == torch.int64

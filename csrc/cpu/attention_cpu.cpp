@@ -168,6 +168,12 @@ at::Tensor dropout_mask_cpu(const at::Tensor& rng_state,  // int64 (seed, offset
   return keep;
 }
 
+at::Tensor draw_rng_state_cpu(const at::Tensor& like, int64_t len_kv) {
+  TORCH_CHECK(len_kv >= 0, "len_kv must be >= 0, got ", len_kv);
+  (void)like;
+  return draw_cpu_rng_state();
+}
+
 std::string cpu_isa() { return cpu::isa_name(cpu::active_isa()); }
 
 }  // namespace
@@ -179,6 +185,7 @@ TORCH_LIBRARY_IMPL(mha_ext, CPU, m) {
   m.impl("attention", &attention_fwd_cpu);
   m.impl("attention_backward", &attention_bwd_cpu);
   m.impl("dropout_mask", &dropout_mask_cpu);
+  m.impl("draw_rng_state", &draw_rng_state_cpu);
 }
 
 }  // namespace mha_ext

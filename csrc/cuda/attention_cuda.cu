@@ -17,6 +17,7 @@ TORCH_LIBRARY_IMPL(mha_ext, CUDA, m) {
   m.impl("varlen_attention", &device_host::varlen_attention_fwd_device);
   m.impl("varlen_attention_backward", &device_host::varlen_attention_bwd_device);
   m.impl("kvcache_attention", &device_host::kvcache_attention_device);
+  m.impl("draw_rng_state", &device_host::draw_rng_state_device);
 }
 
 }  // namespace mha_ext

@@ -139,6 +139,15 @@ inline at::Tensor draw_rng_state(const at::Tensor& query, int64_t len_kv) {
 #endif
 }
 
+// The op draw_rng_state: what a forward with dropout and no rng_state draws.
+inline at::Tensor draw_rng_state_device(const at::Tensor& like, int64_t len_kv) {
+  TORCH_CHECK(len_kv >= 0, "len_kv must be >= 0, got ", len_kv);
+#if defined(__CUDACC__)
+  const c10::cuda::CUDAGuard guard(like.device());
+#endif
+  return draw_rng_state(like, len_kv);
+}
+
 // An rng_state on query's device is read by the kernels themselves (no host
 // sync). In the emulation query's device is the CPU, so the tests take this
 // path too.

@@ -17,6 +17,7 @@ TORCH_LIBRARY(mha_ext_emul, m) {
   m.def(mha_ext::kVarlenAttentionSchema);
   m.def(mha_ext::kVarlenAttentionBackwardSchema);
   m.def(mha_ext::kKVCacheAttentionSchema);
+  m.def(mha_ext::kDrawRngStateSchema);
 }
 
 TORCH_LIBRARY_IMPL(mha_ext_emul, CPU, m) {
@@ -25,4 +26,5 @@ TORCH_LIBRARY_IMPL(mha_ext_emul, CPU, m) {
   m.impl("varlen_attention", &mha_ext::device_host::varlen_attention_fwd_device);
   m.impl("varlen_attention_backward", &mha_ext::device_host::varlen_attention_bwd_device);
   m.impl("kvcache_attention", &mha_ext::device_host::kvcache_attention_device);
+  m.impl("draw_rng_state", &mha_ext::device_host::draw_rng_state_device);
 }
