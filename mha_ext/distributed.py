@@ -148,22 +148,33 @@ def _draw_rng(q, k, world, dropout_p):
     return torch.ops.mha_ext.draw_rng_state(q, k.shape[-2] * world)
 
 
-def _pairs(rank, src, world, layout, causal, chunk, rng):
+def _frames(rank, world, layout, chunk, rng):
+    """With dropout, the rng_state of every (local q chunk a, global kv chunk)
+    pair, frames[a][kb]: (seed, offset) and the pair's place in the whole
+    attention (the op's dropout frame), so each block's mask is that of one
+    process on the whole sequence. One host-to-device copy per call. None
+    without dropout."""
+    if rng is None:
+        return None
+    n = 1 if layout == "contiguous" else 2
+    rows = chunk * n * world
+    mine = _chunks_of(rank, world, layout)
+    places = torch.tensor([[[rows, qa * chunk, kb * chunk] for kb in range(n * world)] for qa in mine],
+                          dtype=torch.int64).to(rng.device)
+    return torch.cat([rng.expand(len(mine), n * world, 2), places], dim=-1)
+
+
+def _pairs(rank, src, world, layout, causal, frames):
     """(local q chunk, local kv chunk, is_causal, rng_state) for the chunk pairs
     that attend: a kv chunk after the q chunk is skipped under causal, the same
-    chunk is the causal diagonal (equal lengths: top-left). With dropout,
-    rng_state carries the pair's place in the whole attention (the op's
-    dropout frame), so its mask is that of one process on the whole sequence."""
+    chunk is the causal diagonal (equal lengths: top-left); rng_state is the
+    pair's frame (None without dropout)."""
     out = []
-    rows = chunk * (1 if layout == "contiguous" else 2) * world
     for a, qa in enumerate(_chunks_of(rank, world, layout)):
         for b, kb in enumerate(_chunks_of(src, world, layout)):
             if causal and kb > qa:
                 continue
-            frame = None
-            if rng is not None:
-                frame = torch.cat([rng, torch.tensor([rows, qa * chunk, kb * chunk], dtype=torch.int64).to(rng.device)])
-            out.append((a, b, causal and kb == qa, frame))
+            out.append((a, b, causal and kb == qa, None if frames is None else frames[a, kb]))
     return out
 
 
@@ -179,10 +190,10 @@ class _RingAttention(torch.autograd.Function):
         except RuntimeError as e:  # invalid inputs here: every rank must hear of it, not wait
             drawn, failure = torch.zeros(2, dtype=torch.int64, device=q.device), e
         rng = _check_same_on_every_rank(q, k, v, group, world, layout, dropout_p, drawn, failure)
-        rng = rng if dropout_p > 0.0 else None
         n = 1 if layout == "contiguous" else 2
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         qc = q.chunk(n, dim=-2)
+        frames = _frames(rank, world, layout, qc[0].shape[-2], rng if dropout_p > 0.0 else None)
         out = [torch.zeros(c.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device) for c in qc]
         lse = [torch.full(c.shape[:-1], float("-inf"), dtype=acc, device=q.device) for c in qc]
         ring = _Ring(group, rank, world)
@@ -191,7 +202,7 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start(kv) if step + 1 < world else None
             src = (rank - step) % world
             kc, vc = kv[0].chunk(n, dim=-2), kv[1].chunk(n, dim=-2)
-            for a, b, diag, frame in _pairs(rank, src, world, layout, causal, qc[0].shape[-2], rng):
+            for a, b, diag, frame in _pairs(rank, src, world, layout, causal, frames):
                 o, l, _ = torch.ops.mha_ext.attention(qc[a], kc[b], vc[b], None, dropout_p, diag, scale, gqa, frame)
                 out[a], lse[a] = _merge(out[a], lse[a], o, l)
             if pending is not None:
@@ -199,13 +210,13 @@ class _RingAttention(torch.autograd.Function):
         out = torch.cat(out, dim=-2).to(q.dtype)
         lse = torch.cat(lse, dim=-2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, scale, layout, dropout_p, rng)
+        ctx.args = (group, causal, scale, layout, dropout_p, frames)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, layout, dropout_p, rng = ctx.args
+        group, causal, scale, layout, dropout_p, frames = ctx.args
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         gqa = q.shape[-3] != k.shape[-3]
         n = 1 if layout == "contiguous" else 2
@@ -227,7 +238,7 @@ class _RingAttention(torch.autograd.Function):
             grads = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
             kc, vc = kv[0].chunk(n, dim=-2), kv[1].chunk(n, dim=-2)
             dkc, dvc = grads[0].chunk(n, dim=-2), grads[1].chunk(n, dim=-2)
-            for a, b, diag, frame in _pairs(rank, src, world, layout, causal, qc[0].shape[-2], rng):
+            for a, b, diag, frame in _pairs(rank, src, world, layout, causal, frames):
                 gq, gk, gv, _ = torch.ops.mha_ext.attention_backward(
                     gc[a], qc[a], kc[b], vc[b], oc[a], lc[a].contiguous(), None, dropout_p, diag, scale, gqa,
                     frame if frame is not None else torch.zeros(2, dtype=torch.int64), False)
