@@ -9,7 +9,7 @@
 // cores (mma.sync, float accumulation); float and double use the same layout
 // on the CUDA cores (warp_mma below), so one kernel serves every dtype.
 //
-//   forward      grid (B * Hq, query blocks). Q tile kept in shared memory,
+//   forward      grid (query blocks, B * Hq over y and z). Q tile kept in shared memory,
 //                K/V tiles streamed by cp.async into two stages (the next
 //                tile loads while this one computes), online softmax in
 //                registers, output and logsumexp written at the end; 16-bit
@@ -281,9 +281,13 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   T* p_s = kv_s + 2 * kStages * kN * kLd;
 
   const int tid = static_cast<int>(thread_idx().x), lane = tid % kWarpSize, warp = tid / kWarpSize;
-  const int64_t bh = block_idx().x, b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
+  // grid: query blocks on x, so the blocks of one head run side by side and
+  // share its K/V tiles in L2; (batch, head) on y and z (launch.h)
+  const int64_t bh = static_cast<int64_t>(block_idx().z) * grid_dim().y + block_idx().y;
+  if (bh >= params.batch * params.heads_q) return;  // the last z slice's spare blocks
+  const int64_t b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
   const AttentionFwdParams p = sequence_params<T, A>(params, b);  // params itself unless varlen
-  const int64_t i0 = static_cast<int64_t>(block_idx().y) * kM;
+  const int64_t i0 = static_cast<int64_t>(block_idx().x) * kM;
   const int64_t L = p.len_q, S = p.len_kv;
   if (i0 >= L) return;  // a block past a shorter sequence's rows (varlen)
   const A rescale = static_cast<A>(p.dropout.rescale);

@@ -67,6 +67,15 @@ constexpr size_t bwd_shared_bytes() {
 // Grid rows (y) a launch over `rows` in blocks of `block` needs; CUDA allows
 // 65535, which the host checks before launching: every launch covers at
 // least 16 rows per block (static_asserts below), so up to 65535 * 16 rows.
+// The forward's (batch, head) pairs fill grid y up to this and spill into z.
+// CUDA allows 65535 on y; the emulation takes 3, so that its tests run the
+// spill (most have more than 3 pairs).
+#if defined(MHA_SIMT_EMULATION)
+constexpr int64_t kGridYMax = 3;
+#else
+constexpr int64_t kGridYMax = 65535;
+#endif
+
 inline unsigned row_blocks(int64_t rows, int block) { return static_cast<unsigned>((rows + block - 1) / block); }
 constexpr int64_t kMinRowsPerBlock = 16;
 constexpr int64_t kMaxRows = 65535 * kMinRowsPerBlock;
@@ -86,7 +95,10 @@ auto launch_attention_fwd(const AttentionFwdParams& p, Stream stream) {
   const int d = padded_head_dim(p.head_dim, p.head_dim_v);
   return MHA_HEAD_DIM_SWITCH(d, [&] {
     using C = TileConfig<T, kHeadDim>;
-    const dim3 grid(static_cast<unsigned>(p.batch * p.heads_q), row_blocks(p.len_q, C::kFwdBlockM));
+    // query blocks on x; the (batch, head) pairs on y, spilling into z past kGridYMax
+    const int64_t bh = p.batch * p.heads_q, y = std::min<int64_t>(bh, kGridYMax);
+    const dim3 grid(row_blocks(p.len_q, C::kFwdBlockM), static_cast<unsigned>(y),
+                    static_cast<unsigned>((bh + y - 1) / y));
     return launch_kernel(attention_fwd_kernel<T, kHeadDim>, grid, dim3(32 * C::kFwdWarps),
                          fwd_shared_bytes<T, kHeadDim>(), stream, p);
   });
