@@ -15,11 +15,13 @@
 //                registers, output and logsumexp written at the end; 16-bit
 //                operands by ldmatrix and P kept in registers.
 //   bwd_dot      D = rowsum(dO * O), one warp per row.
-//   backward     grid (B * Hq, key blocks). K/V tile kept, dK/dV accumulated
-//                in registers over the query tiles; dQ added atomically into an
-//                accumulation-type buffer laid out as grad_q, or left to
+//   backward     grid (B * Hq, key blocks). K/V tile kept, query tiles (Q,
+//                dO) streamed by cp.async, dK/dV accumulated in registers;
+//                dQ added atomically into an accumulation-type buffer laid
+//                out as grad_q, or left to
 //   bwd_dq       grid (B * Hq, query blocks): dQ recomputed per query block
-//                without atomics (deterministic mode).
+//                without atomics (deterministic mode), K/V tiles streamed.
+//                Both take 16-bit operands by ldmatrix.
 //
 // Shared memory holds tiles in the element type, zero beyond the valid rows
 // and the head dim, so padded products add zeros. Head dims are padded to a
@@ -35,12 +37,9 @@ namespace mha_ext::device {
 using namespace mha_ext::simt;
 
 // Tile shapes per element type and padded head dim: 16 rows per warp. The
-// shared-memory bytes of each are listed in launch.h next to the launch.
-// Registers per thread (nvcc 13.0 -Xptxas -v, sm_80 / sm_90), head dim 64 / 128 / 256:
-//   forward   f16/bf16 165/239/248 | 164/255/250   float 168/232/250 | 148/168/248
-//             double 220/246/255 | 220/254/255 (256: ~1.1 KB spilled, the only spill)
-//   backward  f16/bf16 223/223/242 | 219/220/241   float 168/168/214 | 130/130/166   double 254 | 255
-//   dQ        f16/bf16 158/160/162 | 159/152/166   float 208/208/188 | 165/165/146   double 210 | 168
+// shared-memory bytes of each are listed in launch.h next to the launch;
+// registers, spills and warps per SM of every configuration are in the
+// README ("CUDA"), from scripts/kernel_report.py.
 template <typename T, int kHeadDim>
 struct TileConfig {
   static constexpr int kElem = static_cast<int>(sizeof(T));
@@ -71,6 +70,16 @@ struct TileConfig {
   static constexpr int kFwdPBytes = kFwdPInRegisters ? 0 : kElem * kFwdBlockM * (kFwdBlockN + kPad);
   static constexpr int kFwdKVStages = kElem * (kFwdBlockM + 4 * kFwdBlockN) * kLd + kFwdPBytes <= 99 * 1024 ? 2 : 1;
   static constexpr int kFwdSharedBytes = kElem * (kFwdBlockM + 2 * kFwdKVStages * kFwdBlockN) * kLd + kFwdPBytes;
+  // backward: the streamed tiles (Q and dO with their rows' shift, log_norm
+  // and D in the key-block kernel, K and V in the dQ kernel) double-buffered
+  // where two stages fit the same 99 KiB; the fixed tiles, P^T / dS^T, and
+  // the stages (bytes each; kAcc: the accumulation type's size)
+  static constexpr int kAcc = kElem == 8 ? 8 : 4;
+  static constexpr int kBwdLdP = kBwdBlock + kPad;
+  static constexpr int kBwdStageBytes = 2 * kElem * kBwdBlock * kLd + 3 * kAcc * kBwdBlock;
+  static constexpr int kBwdFixedBytes = 2 * kElem * kBwdBlock * kLd + kElem * kBwdBlock * kBwdLdP;
+  static constexpr int kBwdStages = kBwdFixedBytes + 2 * kBwdStageBytes <= 99 * 1024 ? 2 : 1;
+  static constexpr int kBwdSharedBytes = kBwdFixedBytes + kBwdStages * kBwdStageBytes;
 };
 
 // A strided view of a shared-memory tile: element (r, c) at p[r * rs + c * cs].
@@ -83,23 +92,38 @@ struct Tile2 {
 
 // acc[nt] (16 x 8 each, C-fragment layout) += A (16 x K) * B (K x 8 NT),
 // K a multiple of 16; A(r, k) = a.at(r, k), B(k, n) = b.at(k, n).
+// 16-bit types: the operands come from shared memory by ldmatrix, matrix m of
+// an x4 from the row addresses of lanes 8 m .. 8 m + 7. A is stored by rows
+// (a.cs == 1: its four 8 x 8 matrices as they are) or by columns (a.rs == 1:
+// transposed on the way, .trans); B by its columns (b.rs == 1: the rows of
+// B^T are what mma's "col" operand takes) or by rows (b.cs == 1, .trans).
+// Every tile passed here is one of these, with 16-byte aligned rows.
 template <typename T, int NT, typename A>
 MHA_DEVICE void warp_mma(A (&acc)[NT][4], Tile2<T> a, Tile2<T> b, int K, int lane) {
   if constexpr (sizeof(T) == 2) {
+    static_assert(NT % 2 == 0, "B fragments come by ldmatrix x4, two n-tiles at a time");
+    const int r8 = lane % 8, m_lo = (lane / 8) % 2, m_hi = lane / 16;
+    // not unrolled over k: unrolled, nvcc hoists the fragments of every k
+    // step and the f16 backward at head dim 64 spilled (255 registers)
+MHA_NO_UNROLL
     for (int k0 = 0; k0 < K; k0 += 16) {
-      uint32_t af[4];
+      uint32_t af[4];  // matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
+      if (a.cs == 1) {
+        ldmatrix_x4(af, a.p + (r8 + 8 * m_lo) * a.rs + k0 + 8 * m_hi);
+      } else {
+        ldmatrix_x4_trans(af, a.p + (k0 + 8 * m_hi + r8) * a.cs + 8 * m_lo);
+      }
 MHA_UNROLL
-      for (int r = 0; r < 4; ++r)
-        af[r] = pack2(a.at(MmaLayout::a_row(lane, 2 * r), k0 + MmaLayout::a_col(lane, 2 * r)),
-                      a.at(MmaLayout::a_row(lane, 2 * r + 1), k0 + MmaLayout::a_col(lane, 2 * r + 1)));
-MHA_UNROLL
-      for (int nt = 0; nt < NT; ++nt) {
-        uint32_t bf[2];
-MHA_UNROLL
-        for (int r = 0; r < 2; ++r)
-          bf[r] = pack2(b.at(k0 + MmaLayout::b_row(lane, 2 * r), 8 * nt + MmaLayout::b_col(lane, 2 * r)),
-                        b.at(k0 + MmaLayout::b_row(lane, 2 * r + 1), 8 * nt + MmaLayout::b_col(lane, 2 * r + 1)));
-        mma_m16n8k16<T>(acc[nt], af, bf);
+      for (int nt = 0; nt < NT; nt += 2) {
+        uint32_t bf[4];  // matrices: (n-tile nt, k 0-7), (nt, k 8-15), (nt + 1, k 0-7), (nt + 1, k 8-15)
+        if (b.rs == 1) {
+          ldmatrix_x4(bf, b.p + (8 * nt + 8 * m_hi + r8) * b.cs + k0 + 8 * m_lo);
+        } else {
+          ldmatrix_x4_trans(bf, b.p + (k0 + 8 * m_lo + r8) * b.rs + 8 * (nt + m_hi));
+        }
+        const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+        mma_m16n8k16<T>(acc[nt], af, b0);
+        mma_m16n8k16<T>(acc[nt + 1], af, b1);
       }
     }
   } else {
@@ -194,6 +218,15 @@ MHA_DEVICE A masked_score(const AttentionFwdParams& p, int64_t b, int64_t h, int
   return x;
 }
 
+// Whether every score of rows [i_lo, i_hi] and keys [j_lo, j_hi] is the
+// scaled dot product alone: inside the lengths and the causal / window band,
+// no mask, no softcap or ALiBi. Such tiles skip masked_score's per-element
+// checks (edge and diagonal tiles take them).
+MHA_DEVICE bool interior_tile(const AttentionFwdParams& p, int64_t i_lo, int64_t i_hi, int64_t j_lo, int64_t j_hi) {
+  return p.mask_kind == MaskKind::kNone && !p.variant.changes_scores() && i_hi < p.len_q && j_hi < p.len_kv &&
+         p.variant.begin(i_hi) <= j_lo && p.variant.end(i_lo, p.len_kv) > j_hi;
+}
+
 // The forward's softmax units: base 2 for float accumulation (exp2, the
 // scale times log2(e) folded into the scores), base e for double.
 // from_nats: a score in these units; a finite score that would overflow
@@ -246,8 +279,14 @@ MHA_DEVICE uint64_t dropout_row(const AttentionFwdParams& p, const DropoutKey& k
 MHA_DEVICE Philox4 dropout_draws(const DropoutKey& key, uint64_t row, int64_t j) {
   return philox4x32_10(key.seed, row, key.offset + static_cast<uint64_t>((j + key.frame.col0) >> 2));
 }
+// word w & 3 of a draw, by selects: indexing the array with a run-time value
+// would put the four words on the stack
+MHA_DEVICE uint32_t philox_word(const Philox4& r, int64_t w) {
+  const int64_t i = w & 3;
+  return i == 0 ? r.w[0] : i == 1 ? r.w[1] : i == 2 ? r.w[2] : r.w[3];
+}
 MHA_DEVICE bool dropout_keep(const DropoutParams& d, const DropoutKey& key, uint64_t row, int64_t j) {
-  return dropout_draws(key, row, j).w[(j + key.frame.col0) & 3] >= d.drop_threshold;
+  return philox_word(dropout_draws(key, row, j), j + key.frame.col0) >= d.drop_threshold;
 }
 
 // Sum / max over the 4 lanes that share a row (lanes 4g .. 4g + 3).
@@ -342,14 +381,12 @@ MHA_UNROLL
       warp_mma<T>(s, Tile2<T>{q_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane);
     }
 
-    // Scores in the softmax's units. A tile that every row of the warp sees
-    // whole (inside the lengths and the causal / window band, no mask, no
-    // softcap or ALiBi) is only scaled; edge and diagonal tiles go through
-    // masked_score per element. Both clamp the same way (from_nats).
+    // Scores in the softmax's units. An interior tile (interior_tile: every
+    // row of the warp sees it whole) is only scaled; edge and diagonal tiles
+    // go through masked_score per element. Both clamp the same way (from_nats).
     A tile_max[2] = {-INFINITY, -INFINITY};
     const int64_t iw0 = i0 + warp * 16;
-    const bool interior = p.mask_kind == MaskKind::kNone && !p.variant.changes_scores() && iw0 + 15 < L &&
-                          j0 + kN <= S && p.variant.begin(iw0 + 15) <= j0 && p.variant.end(iw0, S) >= j0 + kN;
+    const bool interior = interior_tile(p, iw0, iw0 + 15, j0, j0 + kN - 1);
     if (interior) {
 MHA_UNROLL
       for (int t = 0; t < kNT; ++t)
@@ -394,8 +431,8 @@ MHA_UNROLL
           const int64_t jf = j + key.frame.col0;
           const Philox4 w = dropout_draws(key, row, j);
           const Philox4 w1 = ((jf + 1) & 3) == 0 ? dropout_draws(key, row, j + 1) : w;
-          p0 = w.w[jf & 3] >= p.dropout.drop_threshold ? p0 * rescale : A(0);
-          p1 = w1.w[(jf + 1) & 3] >= p.dropout.drop_threshold ? p1 * rescale : A(0);
+          p0 = philox_word(w, jf) >= p.dropout.drop_threshold ? p0 * rescale : A(0);
+          p1 = philox_word(w1, jf + 1) >= p.dropout.drop_threshold ? p1 * rescale : A(0);
         }
         if constexpr (kPInRegisters) {
           s[t][e] = p0;
@@ -471,13 +508,14 @@ MHA_UNROLL
 // the row's exact max and log(sum)); the min keeps P <= 1 where the row
 // statistics and this score were summed in different orders.
 // The mask gradient (dS itself) goes to grad_mask when that is not null.
+// In an interior tile (interior_tile) the score is only scaled.
 template <typename T, typename A>
 MHA_DEVICE void prob_and_grad(const AttentionBwdParams& p, DropoutKey key, int64_t b, int64_t h, int64_t i, int64_t j, A s,
-                              A dp, A shift, A log_norm, A d, A* grad_mask, A& prob, A& ds) {
+                              A dp, A shift, A log_norm, A d, bool interior, A* grad_mask, A& prob, A& ds) {
   prob = A(0);
   ds = A(0);
-  if (i >= p.len_q || j >= p.len_kv || shift == A(-INFINITY)) return;  // fully masked row: no gradient
-  const A x = masked_score<T>(p, b, h, i, j, s) - shift;
+  if (shift == A(-INFINITY) || (!interior && (i >= p.len_q || j >= p.len_kv))) return;  // fully masked row: no gradient
+  const A x = (interior ? s * static_cast<A>(p.scale) : masked_score<T>(p, b, h, i, j, s)) - shift;
   A pr = fexp((x < A(0) ? x : A(0)) - log_norm);
   if (p.dropout.enabled()) {
     // O = sum_j P_j z_j V_j / (1 - p): dP_j picks up z_j / (1 - p), and dV takes the dropped P.
@@ -549,29 +587,53 @@ MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams params) {
   }
 }
 
-// Key-block kernel. Shared: K, V, Q, dO (kB x kLd), P^T / dS^T (kB x kLdP),
-// lse and D of the query tile (kB each, accumulation type). Warp w owns key
-// rows 16 (w % kRowWarps) .. of the block and the head-dim columns
-// [c_base, c_base + kCols) for dK, dV and dQ.
+// The tile stream of the backward kernels: body(t, stage) for the tiles at
+// t = first, first + step, .. < end, each once its loads (issue(t, stage):
+// cp.async copies and one commit, plus plain stores) are in for every
+// thread. Two stages: the next tile's loads are issued before this tile's
+// body runs; one stage: after every thread is done with the last tile.
+template <int kStages, typename Issue, typename Body>
+MHA_DEVICE void stream_tiles(int64_t first, int64_t end, int64_t step, Issue&& issue, Body&& body) {
+  if (kStages == 2 && first < end) issue(first, 0);
+  int stage = 0;
+  for (int64_t t = first; t < end; t += step, stage = (stage + 1) % kStages) {
+    if (kStages == 1) {
+      sync_threads();  // the previous tile's readers are done
+      issue(t, 0);
+    }
+    cp_async_wait<0>();
+    sync_threads();  // this tile is in for every thread; the other stage's readers are done
+    if (kStages == 2 && t + step < end) issue(t + step, 1 - stage);  // the next tile loads meanwhile
+    body(t, stage);
+  }
+}
+
+// Key-block kernel. Shared: K, V (kB x kLd), P^T / dS^T (kB x kLdP), then
+// kStages stages of a query tile: Q, dO (kB x kLd) and its rows' shift,
+// log_norm and D (kB each, accumulation type), the next tile's loads (16-byte
+// cp.async where rows allow) in flight while this one computes. Warp w owns
+// key rows 16 (w % kRowWarps) .. of the block; the kSplit warps sharing them
+// each compute S^T and dP^T for their share of the tile's query columns and
+// hold dK, dV and compute dQ for the head-dim columns [c_base, c_base + kCols).
 template <typename T, int kHeadDim>
 MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   using A = typename AccOf<T>::type;
   using Cfg = TileConfig<T, kHeadDim>;
-  constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = kB + Cfg::kPad;
+  constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = Cfg::kBwdLdP, kStages = Cfg::kBwdStages;
   constexpr int kRowWarps = Cfg::kBwdRowWarps, kSplit = Cfg::kBwdColSplit, kCols = kHeadDim / kSplit;
-  constexpr int kNT = kB / 8, kCT = kCols / 8, kChunk = 4;  // dQ in 32-column chunks
+  constexpr int kCT = kCols / 8, kChunk = 4;  // dQ in 32-column chunks
+  // query columns of S^T / dP^T per warp: kNTw n-tiles (some warps have none when kSplit > kB / 8)
+  constexpr int kNTw = kB / 8 / kSplit > 0 ? kB / 8 / kSplit : 1;
+  static_assert(sizeof(A) == Cfg::kAcc);
   T* k_s = dynamic_shared<T>();
   T* v_s = k_s + kB * kLd;
-  T* q_s = v_s + kB * kLd;
-  T* do_s = q_s + kB * kLd;
-  T* t_s = do_s + kB * kLd;
-  A* shift_s = reinterpret_cast<A*>(t_s + kB * kLdP);
-  A* norm_s = shift_s + kB;
-  A* d_s = norm_s + kB;
+  T* t_s = v_s + kB * kLd;
+  unsigned char* stages = reinterpret_cast<unsigned char*>(t_s + kB * kLdP);
+  auto q_tile = [&](int st) { return reinterpret_cast<T*>(stages + st * Cfg::kBwdStageBytes); };
+  auto row_stats = [&](int st) { return reinterpret_cast<A*>(q_tile(st) + 2 * kB * kLd); };  // shift, log_norm, D
 
   const int tid = static_cast<int>(thread_idx().x), lane = tid % kWarpSize, warp = tid / kWarpSize;
-  const int row0 = (warp % kRowWarps) * 16, c_base = (warp / kRowWarps) * kCols;
-  const bool writer = c_base == 0;  // computes P^T and dS^T of its rows into t_s
+  const int row0 = (warp % kRowWarps) * 16, split = warp / kRowWarps, c_base = split * kCols, n0 = 8 * kNTw * split;
   const int64_t bh = block_idx().x, b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
   const AttentionBwdParams p = sequence_params<T, A>(params, b);  // params itself unless varlen
   const DropoutKey key = dropout_key(p.dropout);
@@ -579,10 +641,11 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   const int64_t L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
   if (j0 >= S) return;  // a block past a shorter sequence's keys (varlen)
 
-  load_tile(k_s, kLd, kB, kHeadDim, as<T>(p.k) + b * p.k_stride.b + hk * p.k_stride.h, p.k_stride.row,
-            p.k_stride.col, j0, S, E);
-  load_tile(v_s, kLd, kB, kHeadDim, as<T>(p.v) + b * p.v_stride.b + hk * p.v_stride.h, p.v_stride.row,
-            p.v_stride.col, j0, S, Ev);
+  // K and V join the first query tile's cp.async group
+  load_tile_async(k_s, kLd, kB, kHeadDim, as<T>(p.k) + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row,
+                  p.k_stride.row, p.k_stride.col, S - j0, E);
+  load_tile_async(v_s, kLd, kB, kHeadDim, as<T>(p.v) + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row,
+                  p.v_stride.row, p.v_stride.col, S - j0, Ev);
   const T* q_g = as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h;
   const T* do_g = as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h;
   const A* shift_g = static_cast<const A*>(p.row_shift) + p.lse_index(b, h, 0);
@@ -592,6 +655,22 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   A* dq_g = p.grad_q_accum == nullptr
                 ? nullptr
                 : static_cast<A*>(p.grad_q_accum) + b * p.grad_q_stride.b + h * p.grad_q_stride.h;
+  // Issues the loads of the query tile at row i0 into stage st, as one
+  // cp.async group (its row statistics by plain stores).
+  auto issue = [&](int64_t i0, int st) {
+    T* q_s = q_tile(st);
+    load_tile_async(q_s, kLd, kB, kHeadDim, q_g + i0 * p.q_stride.row, p.q_stride.row, p.q_stride.col, L - i0, E);
+    load_tile_async(q_s + kB * kLd, kLd, kB, kHeadDim, do_g + i0 * p.grad_out_stride.row, p.grad_out_stride.row,
+                    p.grad_out_stride.col, L - i0, Ev);
+    A* rows = row_stats(st);
+    for (int r = tid; r < kB; r += static_cast<int>(block_dim().x)) {
+      const bool in = i0 + r < L;
+      rows[r] = in ? shift_g[i0 + r] : A(-INFINITY);
+      rows[kB + r] = in ? norm_g[i0 + r] : A(0);
+      rows[2 * kB + r] = in ? d_g[i0 + r] : A(0);
+    }
+    cp_async_commit();
+  };
   // The warps sharing rows exchange P^T / dS^T through t_s: a block barrier
   // when there are several, a warp barrier otherwise.
   auto sync_tile = [] {
@@ -607,47 +686,46 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   zero(dv);
 
   // the query tiles with a row that may see one of this block's keys
+  const int64_t i_first = p.variant.rows_begin(j0);
   const int64_t rows_end = p.variant.rows_end((j0 + kB < S ? j0 + kB : S) - 1, L);
-  for (int64_t i0 = p.variant.rows_begin(j0); i0 < rows_end; i0 += kB) {
-    sync_threads();  // the previous tile's readers are done
-    load_tile(q_s, kLd, kB, kHeadDim, q_g, p.q_stride.row, p.q_stride.col, i0, L, E);
-    load_tile(do_s, kLd, kB, kHeadDim, do_g, p.grad_out_stride.row, p.grad_out_stride.col, i0, L, Ev);
-    for (int r = tid; r < kB; r += static_cast<int>(block_dim().x)) {
-      shift_s[r] = i0 + r < L ? shift_g[i0 + r] : A(-INFINITY);
-      norm_s[r] = i0 + r < L ? norm_g[i0 + r] : A(0);
-      d_s[r] = i0 + r < L ? d_g[i0 + r] : A(0);
-    }
-    sync_threads();
+  stream_tiles<kStages>(i_first, rows_end, kB, issue, [&](int64_t i0, int stage) {
+    const T* q_s = q_tile(stage);
+    const T* do_s = q_s + kB * kLd;
+    const A* shift_s = row_stats(stage);
+    const A* norm_s = shift_s + kB;
+    const A* d_s = shift_s + 2 * kB;
 
-    // S^T and dP^T of the warp's 16 keys against the tile's queries
-    // (only by the first warp of those sharing the rows; the others read t_s)
-    A dst[kNT][4];
-    if (writer) {
-      A st[kNT][4];
+    // S^T and dP^T of the warp's 16 keys against its query columns n0 ..;
+    // P^T goes to t_s, dS^T stays in registers until dV has read P^T
+    A dst[kNTw][4];
+    const bool has_cols = n0 < kB;
+    if (has_cols) {
+      A st[kNTw][4];
       zero(st);
       zero(dst);
-      warp_mma<T>(st, Tile2<T>{k_s + row0 * kLd, kLd, 1}, Tile2<T>{q_s, 1, kLd}, kHeadDim, lane);
-      warp_mma<T>(dst, Tile2<T>{v_s + row0 * kLd, kLd, 1}, Tile2<T>{do_s, 1, kLd}, kHeadDim, lane);
+      warp_mma<T>(st, Tile2<T>{k_s + row0 * kLd, kLd, 1}, Tile2<T>{q_s + n0 * kLd, 1, kLd}, kHeadDim, lane);
+      warp_mma<T>(dst, Tile2<T>{v_s + row0 * kLd, kLd, 1}, Tile2<T>{do_s + n0 * kLd, 1, kLd}, kHeadDim, lane);
+      const bool interior = interior_tile(p, i0 + n0, i0 + n0 + 8 * kNTw - 1, j0 + row0, j0 + row0 + 15);
 MHA_UNROLL
-      for (int t = 0; t < kNT; ++t)
+      for (int t = 0; t < kNTw; ++t)
 MHA_UNROLL
         for (int e = 0; e < 4; ++e) {
-          const int rj = row0 + MmaLayout::c_row(lane, e), ci = 8 * t + MmaLayout::c_col(lane, e);
+          const int rj = row0 + MmaLayout::c_row(lane, e), ci = n0 + 8 * t + MmaLayout::c_col(lane, e);
           A prob;
           prob_and_grad<T>(p, key, b, h, i0 + ci, j0 + rj, st[t][e], dst[t][e], shift_s[ci], norm_s[ci], d_s[ci],
-                           static_cast<A*>(p.grad_mask), prob, dst[t][e]);
+                           interior, static_cast<A*>(p.grad_mask), prob, dst[t][e]);
           t_s[rj * kLdP + ci] = to_elem<T>(prob);
         }
     }
     sync_tile();
     warp_mma<T>(dv, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{do_s + c_base, kLd, 1}, kB, lane);  // dV += P^T dO
     sync_tile();  // P^T read before dS^T overwrites it
-    if (writer) {
+    if (has_cols) {
 MHA_UNROLL
-      for (int t = 0; t < kNT; ++t)
+      for (int t = 0; t < kNTw; ++t)
 MHA_UNROLL
         for (int e = 0; e < 4; ++e)
-          t_s[(row0 + MmaLayout::c_row(lane, e)) * kLdP + 8 * t + MmaLayout::c_col(lane, e)] = to_elem<T>(dst[t][e]);
+          t_s[(row0 + MmaLayout::c_row(lane, e)) * kLdP + n0 + 8 * t + MmaLayout::c_col(lane, e)] = to_elem<T>(dst[t][e]);
     }
     sync_tile();
     warp_mma<T>(dk, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane);  // dK += dS^T Q
@@ -670,7 +748,7 @@ MHA_UNROLL
           }
       }
     }
-  }
+  });
 
   // per query head; the host sums GQA groups
   A* dk_g = static_cast<A*>(p.grad_k) + b * p.grad_k_stride.b + h * p.grad_k_stride.h;
@@ -687,35 +765,45 @@ MHA_UNROLL
 }
 
 // Deterministic dQ: grid (B * Hq, query blocks of kB rows), key tiles
-// streamed; warps split rows and head-dim columns as in the key-block kernel.
-// Shared: Q, dO, K, V (kB x kLd), dS (kB x kLdP).
+// streamed in kStages stages as the key-block kernel streams query tiles;
+// warps split rows, key columns of S / dP, and head-dim columns of dQ as
+// there. Shared: Q, dO (kB x kLd), dS (kB x kLdP), then per stage K, V.
 template <typename T, int kHeadDim>
 MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams params) {
   using A = typename AccOf<T>::type;
   using Cfg = TileConfig<T, kHeadDim>;
-  constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = kB + Cfg::kPad;
+  constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = Cfg::kBwdLdP, kStages = Cfg::kBwdStages;
   constexpr int kRowWarps = Cfg::kBwdRowWarps, kSplit = Cfg::kBwdColSplit, kCols = kHeadDim / kSplit;
-  constexpr int kNT = kB / 8, kCT = kCols / 8;
+  constexpr int kCT = kCols / 8, kNTw = kB / 8 / kSplit > 0 ? kB / 8 / kSplit : 1;
   T* q_s = dynamic_shared<T>();
   T* do_s = q_s + kB * kLd;
-  T* k_s = do_s + kB * kLd;
-  T* v_s = k_s + kB * kLd;
-  T* t_s = v_s + kB * kLd;
+  T* t_s = do_s + kB * kLd;
+  unsigned char* stages = reinterpret_cast<unsigned char*>(t_s + kB * kLdP);
+  auto k_tile = [&](int st) { return reinterpret_cast<T*>(stages + st * Cfg::kBwdStageBytes); };
 
   const int tid = static_cast<int>(thread_idx().x), lane = tid % kWarpSize, warp = tid / kWarpSize;
-  const int row0 = (warp % kRowWarps) * 16, c_base = (warp / kRowWarps) * kCols;
+  const int row0 = (warp % kRowWarps) * 16, split = warp / kRowWarps, c_base = split * kCols, n0 = 8 * kNTw * split;
   const int64_t bh = block_idx().x, b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
   const AttentionBwdParams p = sequence_params<T, A>(params, b);  // params itself unless varlen
   const int64_t i0 = static_cast<int64_t>(block_idx().y) * kB;
   const int64_t L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
   if (i0 >= L) return;  // a block past a shorter sequence's rows (varlen)
 
-  load_tile(q_s, kLd, kB, kHeadDim, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row,
-            p.q_stride.col, i0, L, E);
-  load_tile(do_s, kLd, kB, kHeadDim, as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h,
-            p.grad_out_stride.row, p.grad_out_stride.col, i0, L, Ev);
+  // Q and dO join the first key tile's cp.async group
+  load_tile_async(q_s, kLd, kB, kHeadDim, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h + i0 * p.q_stride.row,
+                  p.q_stride.row, p.q_stride.col, L - i0, E);
+  load_tile_async(do_s, kLd, kB, kHeadDim,
+                  as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h + i0 * p.grad_out_stride.row,
+                  p.grad_out_stride.row, p.grad_out_stride.col, L - i0, Ev);
   const T* k_g = as<T>(p.k) + b * p.k_stride.b + hk * p.k_stride.h;
   const T* v_g = as<T>(p.v) + b * p.v_stride.b + hk * p.v_stride.h;
+  auto issue = [&](int64_t j, int st) {
+    T* k_s = k_tile(st);
+    load_tile_async(k_s, kLd, kB, kHeadDim, k_g + j * p.k_stride.row, p.k_stride.row, p.k_stride.col, S - j, E);
+    load_tile_async(k_s + kB * kLd, kLd, kB, kHeadDim, v_g + j * p.v_stride.row, p.v_stride.row, p.v_stride.col,
+                    S - j, Ev);
+    cp_async_commit();
+  };
   A shift[2], norm[2], dd[2];
 MHA_UNROLL
   for (int r = 0; r < 2; ++r) {
@@ -724,32 +812,31 @@ MHA_UNROLL
     norm[r] = i < L ? static_cast<const A*>(p.row_log_norm)[p.lse_index(b, h, i)] : A(0);
     dd[r] = i < L ? static_cast<const A*>(p.row_dot)[p.lse_index(b, h, i)] : A(0);
   }
-  const bool writer = c_base == 0;
   const DropoutKey key = dropout_key(p.dropout);
 
   A dq[kCT][4];
   zero(dq);
+  const int64_t j_first = p.variant.begin(i0) / kB * kB;
   const int64_t kv_end = p.variant.end((i0 + kB < L ? i0 + kB : L) - 1, S);
-  for (int64_t j0 = p.variant.begin(i0) / kB * kB; j0 < kv_end; j0 += kB) {
-    sync_threads();
-    load_tile(k_s, kLd, kB, kHeadDim, k_g, p.k_stride.row, p.k_stride.col, j0, S, E);
-    load_tile(v_s, kLd, kB, kHeadDim, v_g, p.v_stride.row, p.v_stride.col, j0, S, Ev);
-    sync_threads();
-    if (writer) {  // dS of the rows, for every warp sharing them
-      A s[kNT][4], dp[kNT][4];
+  stream_tiles<kStages>(j_first, kv_end, kB, issue, [&](int64_t j0, int stage) {
+    const T* k_s = k_tile(stage);
+    const T* v_s = k_s + kB * kLd;
+    if (n0 < kB) {  // dS of the warp's rows and key columns n0 .., for every warp sharing the rows
+      A s[kNTw][4], dp[kNTw][4];
       zero(s);
       zero(dp);
-      warp_mma<T>(s, Tile2<T>{q_s + row0 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane);
-      warp_mma<T>(dp, Tile2<T>{do_s + row0 * kLd, kLd, 1}, Tile2<T>{v_s, 1, kLd}, kHeadDim, lane);
+      warp_mma<T>(s, Tile2<T>{q_s + row0 * kLd, kLd, 1}, Tile2<T>{k_s + n0 * kLd, 1, kLd}, kHeadDim, lane);
+      warp_mma<T>(dp, Tile2<T>{do_s + row0 * kLd, kLd, 1}, Tile2<T>{v_s + n0 * kLd, 1, kLd}, kHeadDim, lane);
+      const bool interior = interior_tile(p, i0 + row0, i0 + row0 + 15, j0 + n0, j0 + n0 + 8 * kNTw - 1);
 MHA_UNROLL
-      for (int t = 0; t < kNT; ++t)
+      for (int t = 0; t < kNTw; ++t)
 MHA_UNROLL
         for (int e = 0; e < 4; ++e) {
-          const int ri = row0 + MmaLayout::c_row(lane, e), cj = 8 * t + MmaLayout::c_col(lane, e);
+          const int ri = row0 + MmaLayout::c_row(lane, e), cj = n0 + 8 * t + MmaLayout::c_col(lane, e);
           A prob, ds;
           // the key-block kernel writes the mask gradient
           prob_and_grad<T>(p, key, b, h, i0 + ri, j0 + cj, s[t][e], dp[t][e], shift[e / 2], norm[e / 2], dd[e / 2],
-                           static_cast<A*>(nullptr), prob, ds);
+                           interior, static_cast<A*>(nullptr), prob, ds);
           t_s[ri * kLdP + cj] = to_elem<T>(ds);
         }
     }
@@ -759,7 +846,7 @@ MHA_UNROLL
       sync_warp();
     }
     warp_mma<T>(dq, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{k_s + c_base, kLd, 1}, kB, lane);  // dQ += dS K
-  }
+  });
 
   T* dq_g = static_cast<T*>(p.grad_q) + b * p.grad_q_stride.b + h * p.grad_q_stride.h;
 MHA_UNROLL

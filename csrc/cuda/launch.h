@@ -51,18 +51,18 @@ static_assert(fwd_shared_bytes<f16, 64>() == 45 * 1024 && fwd_shared_bytes<f16, 
               fwd_shared_bytes<float, 128>() == 89088 && fwd_shared_bytes<float, 256>() == 69120 &&
               fwd_shared_bytes<double, 256>() == 101376 && fwd_shared_bytes<double, 128>() == 85504);
 
-// Backward (both kernels): K, V, Q, dO tiles, P^T / dS^T, and per row
-// shift, log_norm and D.
-//   f16/bf16: D 64: 45.8 KiB, 128: 77.8 KiB, 256: 68.9 KiB
-//   float:    D 64: 38.9 KiB, 128: 70.9 KiB, 256: 66.4 KiB
-//   double:   D 64: 35.6 KiB, 128: 67.6 KiB, 256: 131.6 KiB
+// Backward (both kernels, TileConfig::kBwdSharedBytes): two fixed tiles
+// (K and V, or Q and dO), P^T / dS^T, and one or two stages of the streamed
+// tiles (Q and dO with their rows' shift, log_norm and D, or K and V):
+//   f16/bf16: D 64: 64.5 KiB (2 stages), 128: 77.8 KiB (1), 256: 68.9 KiB (1)
+//   float:    D 64: 56.2 KiB (2), 128: 70.9 KiB (1), 256: 66.4 KiB (1)
+//   double:   D 64: 52.5 KiB (2), 128: 67.6 KiB (1), 256: 131.6 KiB (1)
 template <typename T, int kHeadDim>
 constexpr size_t bwd_shared_bytes() {
-  using C = TileConfig<T, kHeadDim>;
-  using A = typename AccOf<T>::type;
-  return sizeof(T) * (4 * C::kBwdBlock * C::kLd + C::kBwdBlock * (C::kBwdBlock + C::kPad)) +
-         3 * C::kBwdBlock * sizeof(A);
+  return TileConfig<T, kHeadDim>::kBwdSharedBytes;
 }
+static_assert(bwd_shared_bytes<f16, 64>() == 66048 && TileConfig<f16, 64>::kBwdStages == 2 &&
+              bwd_shared_bytes<f16, 128>() == 79616 && bwd_shared_bytes<double, 256>() == 134784);
 
 // Grid rows (y) a launch over `rows` in blocks of `block` needs; CUDA allows
 // 65535, which the host checks before launching: every launch covers at

@@ -32,6 +32,7 @@
 #define MHA_DEVICE __device__ __forceinline__
 #define MHA_KERNEL __global__ void
 #define MHA_UNROLL _Pragma("unroll")
+#define MHA_NO_UNROLL _Pragma("unroll 1")
 
 namespace mha_ext::simt {
 
