@@ -1,0 +1,59 @@
+"""The PTX nvcc emits for sm_80 keeps the FlashAttention-2-class design of the
+CUDA kernels: in the main loop of the forward, the key-block backward and the
+deterministic dQ kernel (16-bit types, where the tensor cores run), tiles
+arrive by 16-byte cp.async copies, tensor-core operands come by ldmatrix, and
+no operand is read from shared memory two bytes at a time. The design's
+regressions fail here, on a machine without a GPU (scripts/kernel_report.py
+prints the same counts, with registers and occupancy)."""
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
+import kernel_report as K  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def loops(tmp_path_factory):
+    if K.nvcc() is None:
+        pytest.skip("needs nvcc (a CUDA toolkit) to compile device code")
+    ptx = K.compile_ptx(str(tmp_path_factory.mktemp("ptx") / "kernels.ptx"))
+    return {K.describe(name): K.loop_counts(K.main_loop(lines)) for name, lines in K.kernels(ptx).items()}
+
+
+CONFIGS = [(kind, dtype, d) for kind in ("fwd", "bwd", "dq") for dtype, d in (("f16", 64), ("bf16", 128))]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["-".join(map(str, c)) for c in CONFIGS])
+def test_main_loop_keeps_async_copies_and_ldmatrix(loops, config):
+    c = loops[config]
+    assert c["mma"] > 0, "no loop with tensor-core mma found"
+    assert c["cp_async_16"] > 0, f"{config}: no 16-byte cp.async in the main loop: {c}"
+    assert c["ldmatrix"] > 0, f"{config}: no ldmatrix in the main loop: {c}"
+    assert c["shared_loads"].get(2, 0) == 0, f"{config}: 2-byte shared loads of operands in the main loop: {c}"
+
+
+def test_counts_read_a_known_loop():
+    # the parser itself, on a hand-written loop: a backward branch around two
+    # mma, an ldmatrix, a 16-byte cp.async, a 2-byte and a 16-byte load
+    ptx = """.visible .entry _ZN7mha_ext6device20attention_fwd_kernelI6__halfLi64EEEvNS_18AttentionFwdParamsE(
+)
+{
+mov.u32 %r1, 0;
+$L__BB0_1:
+ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r1, %r2, %r3, %r4}, [%r5];
+cp.async.cg.shared.global [%r6], [%rd1], 16;
+ld.shared.u16 %rs1, [%r7];
+@%p1 ld.global.v4.u32 {%r8, %r9, %r10, %r11}, [%rd2];
+mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1, %f2, %f3, %f4}, {%r1, %r2, %r3, %r4}, {%r1, %r2}, {%f1, %f2, %f3, %f4};
+mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1, %f2, %f3, %f4}, {%r1, %r2, %r3, %r4}, {%r1, %r2}, {%f1, %f2, %f3, %f4};
+@%p2 bra $L__BB0_1;
+ret;
+}
+"""
+    (name, lines), = K.kernels(ptx).items()
+    assert K.describe(name) == ("fwd", "f16", 64)
+    c = K.loop_counts(K.main_loop(lines))
+    assert c == dict(instructions=7, mma=2, ldmatrix=1, cp_async_16=1, global_loads={16: 1}, shared_loads={2: 1})
