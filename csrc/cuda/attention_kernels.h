@@ -289,6 +289,84 @@ MHA_DEVICE bool dropout_keep(const DropoutParams& d, const DropoutKey& key, uint
   return philox_word(dropout_draws(key, row, j), j + key.frame.col0) >= d.drop_threshold;
 }
 
+// The keep bits of one 16 x 8 C fragment, bit e for element e (rows g, g,
+// g + 8, g + 8; columns 2c, 2c + 1, 2c, 2c + 1; lane 4g + c), drawn by the
+// lanes together: where the frame keeps Philox blocks on 4-column boundaries
+// of the fragment, each lane draws one block and passes words to the lanes
+// that need them, one Philox call per 4 elements (otherwise each element's
+// own block, as on the CPU). Every lane of the warp must call it.
+//
+// Fragment rows are query rows i_lo = base + g (and + 8), columns keys j8 ..
+// j8 + 7 (forward, dQ kernel): lanes c and c ^ 1 cover 4 keys, one block per
+// row; lane c even draws row g's, odd row g + 8's, and each passes the
+// other the two words it needs.
+MHA_DEVICE unsigned dropout_bits_query_rows(const AttentionFwdParams& p, const DropoutKey& key, int64_t b, int64_t h,
+                                            int64_t i_lo, int64_t j8, int lane) {
+  const uint32_t thr = p.dropout.drop_threshold;
+  const int c = lane % 4;
+  unsigned bits = 0;
+  if ((key.frame.col0 & 3) == 0 && (j8 & 3) == 0) {
+    const bool odd = c & 1;
+    const Philox4 w = dropout_draws(key, dropout_row(p, key, b, h, odd ? i_lo + 8 : i_lo), j8 + 4 * (c / 2));
+    const uint32_t got0 = shfl_xor(odd ? w.w[0] : w.w[2], 1), got1 = shfl_xor(odd ? w.w[1] : w.w[3], 1);
+    const uint32_t k0 = odd ? got0 : w.w[0], k1 = odd ? got1 : w.w[1];  // row g, columns 2c, 2c + 1
+    const uint32_t k2 = odd ? w.w[2] : got0, k3 = odd ? w.w[3] : got1;  // row g + 8
+    bits = unsigned(k0 >= thr) | unsigned(k1 >= thr) << 1 | unsigned(k2 >= thr) << 2 | unsigned(k3 >= thr) << 3;
+  } else {
+    for (int e = 0; e < 4; ++e)
+      bits |= unsigned(dropout_keep(p.dropout, key, dropout_row(p, key, b, h, i_lo + 8 * (e / 2)), j8 + 2 * c + e % 2)) << e;
+  }
+  return bits;
+}
+
+// Fragment rows are keys j_lo = base + g (and + 8), columns query rows i8 ..
+// i8 + 7 (the key-block kernel's S^T): lanes g = 4q + r, r = 0 .. 3, of a
+// column pair need the same four blocks (queries 2c + (r & 1), keys of g +
+// 8 (r >> 1)), word r of each; lane r draws block r and a 4 x 4 transpose
+// across the four lanes (lane ^ 8, then lane ^ 4) hands each its words.
+MHA_DEVICE unsigned dropout_bits_key_rows(const AttentionFwdParams& p, const DropoutKey& key, int64_t b, int64_t h,
+                                          int64_t j_lo, int64_t i8, int lane) {
+  const uint32_t thr = p.dropout.drop_threshold;
+  const int c = lane % 4, r = (lane / 4) % 4, hi = r >> 1, lo = r & 1;
+  unsigned bits = 0;
+  if ((key.frame.col0 & 3) == 0 && ((j_lo - r) & 3) == 0) {
+    const Philox4 w = dropout_draws(key, dropout_row(p, key, b, h, i8 + 2 * c + lo), j_lo - r + 8 * hi);
+    // to lane r ^ 2 the words it keeps (2 hi', 2 hi' + 1); from it, block r ^ 2's words 2 hi, 2 hi + 1
+    const uint32_t a0 = hi ? w.w[2] : w.w[0], a1 = hi ? w.w[3] : w.w[1];
+    const uint32_t x0 = shfl_xor(hi ? w.w[0] : w.w[2], 8), x1 = shfl_xor(hi ? w.w[1] : w.w[3], 8);
+    // to lane r ^ 1 the words it needs (index 1 - lo of the pairs); word r of blocks r .. r ^ 3
+    const uint32_t own_a = lo ? a1 : a0, own_b = lo ? x1 : x0;
+    const uint32_t got_a = shfl_xor(lo ? a0 : a1, 4), got_b = shfl_xor(lo ? x0 : x1, 4);
+    for (int e = 0; e < 4; ++e) {
+      const int d = e ^ r;  // block e is block r ^ d
+      const uint32_t word = d == 0 ? own_a : d == 1 ? got_a : d == 2 ? own_b : got_b;
+      bits |= unsigned(word >= thr) << e;
+    }
+  } else {
+    for (int e = 0; e < 4; ++e)
+      bits |= unsigned(dropout_keep(p.dropout, key, dropout_row(p, key, b, h, i8 + 2 * c + e % 2), j_lo + 8 * (e / 2))) << e;
+  }
+  return bits;
+}
+
+// The keep bits of kTiles fragments side by side, 8 columns apart from
+// column col0 (row_lo: the fragment row of lane's g), 4 each as above, drawn
+// in a loop that is not unrolled (the draws one after another, not all live
+// at once); 0 without dropout. kKeyRows: the fragments' rows are keys.
+template <int kTiles, bool kKeyRows>
+MHA_DEVICE uint32_t dropout_tile_bits(const AttentionFwdParams& p, const DropoutKey& key, int64_t b, int64_t h,
+                                      int64_t row_lo, int64_t col0, int lane) {
+  static_assert(4 * kTiles <= 32);
+  if (!p.dropout.enabled()) return 0;
+  uint32_t keep = 0;
+MHA_NO_UNROLL
+  for (int t = 0; t < kTiles; ++t)
+    keep |= (kKeyRows ? dropout_bits_key_rows(p, key, b, h, row_lo, col0 + 8 * t, lane)
+                      : dropout_bits_query_rows(p, key, b, h, row_lo, col0 + 8 * t, lane))
+            << (4 * t);
+  return keep;
+}
+
 // Sum / max over the 4 lanes that share a row (lanes 4g .. 4g + 3).
 template <typename A>
 MHA_DEVICE A row_sum4(A x) {
@@ -415,24 +493,18 @@ MHA_UNROLL
       m_run[r] = new_max;
     }
     A part[2] = {A(0), A(0)};
+    const uint32_t keep = dropout_tile_bits<kNT, false>(p, key, b, h, iw0 + MmaLayout::c_row(lane, 0), j0, lane);
 MHA_UNROLL
     for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
       for (int e = 0; e < 4; e += 2) {
         const int r = e / 2;
-        const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, e);
-        const int64_t j = j0 + 8 * t + MmaLayout::c_col(lane, e);
         A p0 = m_run[r] == A(-INFINITY) ? A(0) : Units::exp(s[t][e] - m_run[r]);
         A p1 = m_run[r] == A(-INFINITY) ? A(0) : Units::exp(s[t][e + 1] - m_run[r]);
         part[r] += p0 + p1;
-        if (p.dropout.enabled() && i < L) {
-          // columns j, j + 1 (j even) share one Philox block unless the frame's col0 is odd
-          const uint64_t row = dropout_row(p, key, b, h, i);
-          const int64_t jf = j + key.frame.col0;
-          const Philox4 w = dropout_draws(key, row, j);
-          const Philox4 w1 = ((jf + 1) & 3) == 0 ? dropout_draws(key, row, j + 1) : w;
-          p0 = philox_word(w, jf) >= p.dropout.drop_threshold ? p0 * rescale : A(0);
-          p1 = philox_word(w1, jf + 1) >= p.dropout.drop_threshold ? p1 * rescale : A(0);
+        if (p.dropout.enabled()) {
+          p0 = (keep >> (4 * t + e)) & 1u ? p0 * rescale : A(0);
+          p1 = (keep >> (4 * t + e + 1)) & 1u ? p1 * rescale : A(0);
         }
         if constexpr (kPInRegisters) {
           s[t][e] = p0;
@@ -508,10 +580,11 @@ MHA_UNROLL
 // the row's exact max and log(sum)); the min keeps P <= 1 where the row
 // statistics and this score were summed in different orders.
 // The mask gradient (dS itself) goes to grad_mask when that is not null.
-// In an interior tile (interior_tile) the score is only scaled.
+// In an interior tile (interior_tile) the score is only scaled. keep: the
+// element's dropout bit (read when dropout is on).
 template <typename T, typename A>
-MHA_DEVICE void prob_and_grad(const AttentionBwdParams& p, DropoutKey key, int64_t b, int64_t h, int64_t i, int64_t j, A s,
-                              A dp, A shift, A log_norm, A d, bool interior, A* grad_mask, A& prob, A& ds) {
+MHA_DEVICE void prob_and_grad(const AttentionBwdParams& p, int64_t b, int64_t h, int64_t i, int64_t j, A s, A dp,
+                              A shift, A log_norm, A d, bool interior, bool keep, A* grad_mask, A& prob, A& ds) {
   prob = A(0);
   ds = A(0);
   if (shift == A(-INFINITY) || (!interior && (i >= p.len_q || j >= p.len_kv))) return;  // fully masked row: no gradient
@@ -519,7 +592,6 @@ MHA_DEVICE void prob_and_grad(const AttentionBwdParams& p, DropoutKey key, int64
   A pr = fexp((x < A(0) ? x : A(0)) - log_norm);
   if (p.dropout.enabled()) {
     // O = sum_j P_j z_j V_j / (1 - p): dP_j picks up z_j / (1 - p), and dV takes the dropped P.
-    const bool keep = dropout_keep(p.dropout, key, dropout_row(p, key, b, h, i), j);
     const A rescale = static_cast<A>(p.dropout.rescale);
     dp = keep ? dp * rescale : A(0);
     ds = pr * (dp - d);
@@ -706,14 +778,16 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
       warp_mma<T>(st, Tile2<T>{k_s + row0 * kLd, kLd, 1}, Tile2<T>{q_s + n0 * kLd, 1, kLd}, kHeadDim, lane);
       warp_mma<T>(dst, Tile2<T>{v_s + row0 * kLd, kLd, 1}, Tile2<T>{do_s + n0 * kLd, 1, kLd}, kHeadDim, lane);
       const bool interior = interior_tile(p, i0 + n0, i0 + n0 + 8 * kNTw - 1, j0 + row0, j0 + row0 + 15);
+      const uint32_t keep =
+          dropout_tile_bits<kNTw, true>(p, key, b, h, j0 + row0 + MmaLayout::c_row(lane, 0), i0 + n0, lane);
 MHA_UNROLL
       for (int t = 0; t < kNTw; ++t)
 MHA_UNROLL
         for (int e = 0; e < 4; ++e) {
           const int rj = row0 + MmaLayout::c_row(lane, e), ci = n0 + 8 * t + MmaLayout::c_col(lane, e);
           A prob;
-          prob_and_grad<T>(p, key, b, h, i0 + ci, j0 + rj, st[t][e], dst[t][e], shift_s[ci], norm_s[ci], d_s[ci],
-                           interior, static_cast<A*>(p.grad_mask), prob, dst[t][e]);
+          prob_and_grad<T>(p, b, h, i0 + ci, j0 + rj, st[t][e], dst[t][e], shift_s[ci], norm_s[ci], d_s[ci], interior,
+                           (keep >> (4 * t + e)) & 1u, static_cast<A*>(p.grad_mask), prob, dst[t][e]);
           t_s[rj * kLdP + ci] = to_elem<T>(prob);
         }
     }
@@ -828,6 +902,8 @@ MHA_UNROLL
       warp_mma<T>(s, Tile2<T>{q_s + row0 * kLd, kLd, 1}, Tile2<T>{k_s + n0 * kLd, 1, kLd}, kHeadDim, lane);
       warp_mma<T>(dp, Tile2<T>{do_s + row0 * kLd, kLd, 1}, Tile2<T>{v_s + n0 * kLd, 1, kLd}, kHeadDim, lane);
       const bool interior = interior_tile(p, i0 + row0, i0 + row0 + 15, j0 + n0, j0 + n0 + 8 * kNTw - 1);
+      const uint32_t keep =
+          dropout_tile_bits<kNTw, false>(p, key, b, h, i0 + row0 + MmaLayout::c_row(lane, 0), j0 + n0, lane);
 MHA_UNROLL
       for (int t = 0; t < kNTw; ++t)
 MHA_UNROLL
@@ -835,8 +911,8 @@ MHA_UNROLL
           const int ri = row0 + MmaLayout::c_row(lane, e), cj = n0 + 8 * t + MmaLayout::c_col(lane, e);
           A prob, ds;
           // the key-block kernel writes the mask gradient
-          prob_and_grad<T>(p, key, b, h, i0 + ri, j0 + cj, s[t][e], dp[t][e], shift[e / 2], norm[e / 2], dd[e / 2],
-                           interior, static_cast<A*>(nullptr), prob, ds);
+          prob_and_grad<T>(p, b, h, i0 + ri, j0 + cj, s[t][e], dp[t][e], shift[e / 2], norm[e / 2], dd[e / 2],
+                           interior, (keep >> (4 * t + e)) & 1u, static_cast<A*>(nullptr), prob, ds);
           t_s[ri * kLdP + cj] = to_elem<T>(ds);
         }
     }
