@@ -122,6 +122,10 @@ struct AttentionFwdParams {
   double scale = 1.0;
   AttentionVariant variant;  // causal alignment, window, softcap, ALiBi
   MaskKind mask_kind = MaskKind::kNone;
+  // CUDA only: tensor-core operands by plain shared-memory loads instead of
+  // ldmatrix (launch.h sets it from MHA_EXT_CUDA_OPERANDS=scalar), so a first
+  // GPU run can compare the two ways of loading the same fragments.
+  bool scalar_operands = false;
   DropoutParams dropout;
 
   // lse (and the CUDA backward's per-row buffers) of row i of (b, h) sit at

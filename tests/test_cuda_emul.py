@@ -465,3 +465,42 @@ def test_emul_padding_rows_and_batch_varying_mask(backend, dtype, is_causal):
     grads = _backward(backend, q, k, v, out, lse, go, mask, is_causal=is_causal, mask_grad=True)
     (ref_out, ref_grads), (eager_out, eager_grads) = references(q, k, v, go, mask=mask, is_causal=is_causal)
     _assert_near_reference([out] + list(grads), [ref_out] + ref_grads, [eager_out] + eager_grads, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 4, 2, 50, 70, 64, 48), (1, 2, 1, 33, 80, 128, 128), (1, 1, 1, 20, 35, 256, 160)])
+def test_emul_scalar_operands_give_the_ldmatrix_results(backend, dtype, shape, monkeypatch):
+    # MHA_EXT_CUDA_OPERANDS=scalar loads the same tensor-core fragments by
+    # plain loads (the kernels' way before ldmatrix): the same results, bit
+    # for bit where no atomic order enters, and held to the reference as the
+    # default path is. A first GPU run compares the two this way.
+    q, k, v = make(shape, dtype)
+    gqa = shape[1] != shape[2]
+    rng = torch.tensor([987654321, 4242], dtype=torch.long)
+    keep = R.dropout_keep(987654321, 4242, (shape[0], shape[1], shape[3], shape[4]), 0.2)
+    kw = dict(is_causal=True, enable_gqa=gqa, keep=keep, dropout_p=0.2)
+    cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.2, True, None, gqa, rng)
+    go = torch.randn_like(cpu_out)
+    cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, None, 0.2, True, None, gqa, rng)
+    results = {}
+    for mode in ("ldmatrix", "scalar"):
+        monkeypatch.setenv("MHA_EXT_CUDA_OPERANDS", mode)
+        out, lse, _ = backend.attention(q, k, v, None, 0.2, True, None, gqa, rng)
+        before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            grads = _backward(backend, q, k, v, cpu_out, cpu_lse, go, None, 0.2, True, None, gqa, rng)
+        finally:
+            torch.use_deterministic_algorithms(before)
+        results[mode] = (out, lse) + tuple(grads[:3])
+    for a, b in zip(results["ldmatrix"], results["scalar"]):
+        assert torch.equal(a, b)
+    assert_all_like_cpu(results["scalar"][0], cpu_out, references(q, k, v, **kw), dtype)
+    assert_all_like_cpu(results["scalar"][2:], cpu[:3], references(q, k, v, go, **kw), dtype)
+
+
+def test_emul_operands_setting_is_checked(backend, monkeypatch):
+    q, k, v = make((1, 1, 1, 8, 8, 16, 16), torch.float16)
+    monkeypatch.setenv("MHA_EXT_CUDA_OPERANDS", "fast")
+    with pytest.raises((RuntimeError, ValueError), match='MHA_EXT_CUDA_OPERANDS must be "ldmatrix" or "scalar", got "fast"'):
+        backend.attention(q, k, v, None, 0.0, False, None, False)

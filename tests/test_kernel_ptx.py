@@ -1,8 +1,9 @@
 """The PTX nvcc emits for sm_80 keeps the FlashAttention-2-class design of the
 CUDA kernels: in the main loop of the forward, the key-block backward and the
 deterministic dQ kernel (16-bit types, where the tensor cores run), tiles
-arrive by 16-byte cp.async copies, tensor-core operands come by ldmatrix, and
-no operand is read from shared memory two bytes at a time. The design's
+arrive by 16-byte cp.async copies, tensor-core operands come by ldmatrix, and,
+apart from the plain-load path MHA_EXT_CUDA_OPERANDS=scalar selects, no operand
+is read from shared memory two bytes at a time. The design's
 regressions fail here, on a machine without a GPU (scripts/kernel_report.py
 prints the same counts, with registers and occupancy)."""
 import os
@@ -15,23 +16,36 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
 import kernel_report as K  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def loops(tmp_path_factory):
+def _loops(tmp_path_factory, scalar_operands):
     if K.nvcc() is None:
         pytest.skip("needs nvcc (a CUDA toolkit) to compile device code")
-    ptx = K.compile_ptx(str(tmp_path_factory.mktemp("ptx") / "kernels.ptx"))
+    ptx = K.compile_ptx(str(tmp_path_factory.mktemp("ptx") / "kernels.ptx"), scalar_operands=scalar_operands)
     return {K.describe(name): K.loop_counts(K.main_loop(lines)) for name, lines in K.kernels(ptx).items()}
+
+
+@pytest.fixture(scope="module")
+def loops(tmp_path_factory):
+    """The kernels as built."""
+    return _loops(tmp_path_factory, True)
+
+
+@pytest.fixture(scope="module")
+def default_loops(tmp_path_factory):
+    """The kernels without the plain-load operand path that
+    MHA_EXT_CUDA_OPERANDS=scalar selects: what runs by default."""
+    return _loops(tmp_path_factory, False)
 
 
 CONFIGS = [(kind, dtype, d) for kind in ("fwd", "bwd", "dq") for dtype, d in (("f16", 64), ("bf16", 128))]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["-".join(map(str, c)) for c in CONFIGS])
-def test_main_loop_keeps_async_copies_and_ldmatrix(loops, config):
-    c = loops[config]
-    assert c["mma"] > 0, "no loop with tensor-core mma found"
-    assert c["cp_async_16"] > 0, f"{config}: no 16-byte cp.async in the main loop: {c}"
-    assert c["ldmatrix"] > 0, f"{config}: no ldmatrix in the main loop: {c}"
+def test_main_loop_keeps_async_copies_and_ldmatrix(loops, default_loops, config):
+    for c in (loops[config], default_loops[config]):
+        assert c["mma"] > 0, "no loop with tensor-core mma found"
+        assert c["cp_async_16"] > 0, f"{config}: no 16-byte cp.async in the main loop: {c}"
+        assert c["ldmatrix"] > 0, f"{config}: no ldmatrix in the main loop: {c}"
+    c = default_loops[config]
     assert c["shared_loads"].get(2, 0) == 0, f"{config}: 2-byte shared loads of operands in the main loop: {c}"
 
 

@@ -82,6 +82,15 @@ struct TileConfig {
   static constexpr int kBwdSharedBytes = kBwdFixedBytes + kBwdStages * kBwdStageBytes;
 };
 
+// The plain-load operand path (AttentionFwdParams::scalar_operands) is built
+// unless MHA_NO_SCALAR_OPERANDS is defined; tests/test_kernel_ptx.py builds
+// without it to hold the default path to ldmatrix alone.
+#if defined(MHA_NO_SCALAR_OPERANDS)
+constexpr bool kScalarOperandsBuilt = false;
+#else
+constexpr bool kScalarOperandsBuilt = true;
+#endif
+
 // A strided view of a shared-memory tile: element (r, c) at p[r * rs + c * cs].
 template <typename T>
 struct Tile2 {
@@ -98,17 +107,36 @@ struct Tile2 {
 // transposed on the way, .trans); B by its columns (b.rs == 1: the rows of
 // B^T are what mma's "col" operand takes) or by rows (b.cs == 1, .trans).
 // Every tile passed here is one of these, with 16-byte aligned rows.
+// scalar: the same fragments by plain loads, element by element
+// (AttentionFwdParams::scalar_operands).
+template <typename T>
+MHA_DEVICE void a_frag_scalar(uint32_t (&af)[4], Tile2<T> a, int k0, int lane) {
+MHA_UNROLL
+  for (int r = 0; r < 4; ++r)
+    af[r] = pack2(a.at(MmaLayout::a_row(lane, 2 * r), k0 + MmaLayout::a_col(lane, 2 * r)),
+                  a.at(MmaLayout::a_row(lane, 2 * r + 1), k0 + MmaLayout::a_col(lane, 2 * r + 1)));
+}
+template <typename T>
+MHA_DEVICE void b_frag_scalar(uint32_t (&bf)[2], Tile2<T> b, int k0, int nt, int lane) {
+MHA_UNROLL
+  for (int r = 0; r < 2; ++r)
+    bf[r] = pack2(b.at(k0 + MmaLayout::b_row(lane, 2 * r), 8 * nt + MmaLayout::b_col(lane, 2 * r)),
+                  b.at(k0 + MmaLayout::b_row(lane, 2 * r + 1), 8 * nt + MmaLayout::b_col(lane, 2 * r + 1)));
+}
 template <typename T, int NT, typename A>
-MHA_DEVICE void warp_mma(A (&acc)[NT][4], Tile2<T> a, Tile2<T> b, int K, int lane) {
+MHA_DEVICE void warp_mma(A (&acc)[NT][4], Tile2<T> a, Tile2<T> b, int K, int lane, bool scalar) {
   if constexpr (sizeof(T) == 2) {
     static_assert(NT % 2 == 0, "B fragments come by ldmatrix x4, two n-tiles at a time");
+    scalar = kScalarOperandsBuilt && scalar;
     const int r8 = lane % 8, m_lo = (lane / 8) % 2, m_hi = lane / 16;
     // not unrolled over k: unrolled, nvcc hoists the fragments of every k
     // step and the f16 backward at head dim 64 spilled (255 registers)
 MHA_NO_UNROLL
     for (int k0 = 0; k0 < K; k0 += 16) {
       uint32_t af[4];  // matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
-      if (a.cs == 1) {
+      if (scalar) {
+        a_frag_scalar(af, a, k0, lane);
+      } else if (a.cs == 1) {
         ldmatrix_x4(af, a.p + (r8 + 8 * m_lo) * a.rs + k0 + 8 * m_hi);
       } else {
         ldmatrix_x4_trans(af, a.p + (k0 + 8 * m_hi + r8) * a.cs + 8 * m_lo);
@@ -116,7 +144,12 @@ MHA_NO_UNROLL
 MHA_UNROLL
       for (int nt = 0; nt < NT; nt += 2) {
         uint32_t bf[4];  // matrices: (n-tile nt, k 0-7), (nt, k 8-15), (nt + 1, k 0-7), (nt + 1, k 8-15)
-        if (b.rs == 1) {
+        if (scalar) {
+          uint32_t s0[2], s1[2];
+          b_frag_scalar(s0, b, k0, nt, lane);
+          b_frag_scalar(s1, b, k0, nt + 1, lane);
+          bf[0] = s0[0], bf[1] = s0[1], bf[2] = s1[0], bf[3] = s1[1];
+        } else if (b.rs == 1) {
           ldmatrix_x4(bf, b.p + (8 * nt + 8 * m_hi + r8) * b.cs + k0 + 8 * m_lo);
         } else {
           ldmatrix_x4_trans(bf, b.p + (k0 + 8 * m_lo + r8) * b.rs + 8 * (nt + m_hi));
@@ -314,7 +347,8 @@ MHA_DEVICE unsigned dropout_bits_query_rows(const AttentionFwdParams& p, const D
     bits = unsigned(k0 >= thr) | unsigned(k1 >= thr) << 1 | unsigned(k2 >= thr) << 2 | unsigned(k3 >= thr) << 3;
   } else {
     for (int e = 0; e < 4; ++e)
-      bits |= unsigned(dropout_keep(p.dropout, key, dropout_row(p, key, b, h, i_lo + 8 * (e / 2)), j8 + 2 * c + e % 2)) << e;
+      bits |= unsigned(dropout_keep(p.dropout, key, dropout_row(p, key, b, h, i_lo + 8 * (e / 2)), j8 + 2 * c + e % 2))
+              << e;
   }
   return bits;
 }
@@ -344,7 +378,8 @@ MHA_DEVICE unsigned dropout_bits_key_rows(const AttentionFwdParams& p, const Dro
     }
   } else {
     for (int e = 0; e < 4; ++e)
-      bits |= unsigned(dropout_keep(p.dropout, key, dropout_row(p, key, b, h, i8 + 2 * c + e % 2), j_lo + 8 * (e / 2))) << e;
+      bits |= unsigned(dropout_keep(p.dropout, key, dropout_row(p, key, b, h, i8 + 2 * c + e % 2), j_lo + 8 * (e / 2)))
+              << e;
   }
   return bits;
 }
@@ -442,22 +477,8 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
 
     A s[kNT][4];
     zero(s);
-    if constexpr (kPInRegisters) {  // S = Q K^T, the operands by ldmatrix: Q rows (A), K rows (B, two n-tiles)
-      for (int k0 = 0; k0 < kHeadDim; k0 += 16) {
-        uint32_t af[4];
-        ldmatrix_x4(af, q_s + (warp * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * kLd + k0 + 8 * (lane / 16));
-MHA_UNROLL
-        for (int nt = 0; nt < kNT; nt += 2) {
-          uint32_t kf[4];
-          ldmatrix_x4(kf, k_s + (8 * nt + 8 * (lane / 16) + lane % 8) * kLd + k0 + 8 * ((lane / 8) % 2));
-          const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-          mma_m16n8k16<T>(s[nt], af, b0);
-          mma_m16n8k16<T>(s[nt + 1], af, b1);
-        }
-      }
-    } else {
-      warp_mma<T>(s, Tile2<T>{q_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane);
-    }
+    // S = Q K^T (16-bit operands by ldmatrix: Q rows as A, K rows as B)
+    warp_mma<T>(s, Tile2<T>{q_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane, p.scalar_operands);
 
     // Scores in the softmax's units. An interior tile (interior_tile: every
     // row of the warp sees it whole) is only scaled; edge and diagonal tiles
@@ -531,7 +552,14 @@ MHA_UNROLL
 MHA_UNROLL
         for (int ot = 0; ot < kOT; ot += 2) {
           uint32_t vf[4];
-          ldmatrix_x4_trans(vf, v_s + (16 * kk + 8 * ((lane / 8) % 2) + lane % 8) * kLd + 8 * (ot + lane / 16));
+          if (kScalarOperandsBuilt && p.scalar_operands) {
+            uint32_t s0[2], s1[2];
+            b_frag_scalar(s0, Tile2<T>{v_s, kLd, 1}, 16 * kk, ot, lane);
+            b_frag_scalar(s1, Tile2<T>{v_s, kLd, 1}, 16 * kk, ot + 1, lane);
+            vf[0] = s0[0], vf[1] = s0[1], vf[2] = s1[0], vf[3] = s1[1];
+          } else {
+            ldmatrix_x4_trans(vf, v_s + (16 * kk + 8 * ((lane / 8) % 2) + lane % 8) * kLd + 8 * (ot + lane / 16));
+          }
           const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
           mma_m16n8k16<T>(o[ot], pa, b0);
           mma_m16n8k16<T>(o[ot + 1], pa, b1);
@@ -539,7 +567,7 @@ MHA_UNROLL
       }
     } else {
       sync_warp();  // the warp's P rows are written
-      warp_mma<T>(o, Tile2<T>{p_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{v_s, kLd, 1}, kN, lane);
+      warp_mma<T>(o, Tile2<T>{p_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{v_s, kLd, 1}, kN, lane, false);
     }
     if (kStages == 1 && j0 + kN < kv_end) {
       sync_threads();  // every reader is done with the one stage
@@ -708,6 +736,7 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   const int row0 = (warp % kRowWarps) * 16, split = warp / kRowWarps, c_base = split * kCols, n0 = 8 * kNTw * split;
   const int64_t bh = block_idx().x, b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
   const AttentionBwdParams p = sequence_params<T, A>(params, b);  // params itself unless varlen
+  const bool scalar = p.scalar_operands;  // operands by plain loads (launch.h)
   const DropoutKey key = dropout_key(p.dropout);
   const int64_t j0 = static_cast<int64_t>(block_idx().y) * kB;
   const int64_t L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
@@ -775,8 +804,8 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
       A st[kNTw][4];
       zero(st);
       zero(dst);
-      warp_mma<T>(st, Tile2<T>{k_s + row0 * kLd, kLd, 1}, Tile2<T>{q_s + n0 * kLd, 1, kLd}, kHeadDim, lane);
-      warp_mma<T>(dst, Tile2<T>{v_s + row0 * kLd, kLd, 1}, Tile2<T>{do_s + n0 * kLd, 1, kLd}, kHeadDim, lane);
+      warp_mma<T>(st, Tile2<T>{k_s + row0 * kLd, kLd, 1}, Tile2<T>{q_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar);
+      warp_mma<T>(dst, Tile2<T>{v_s + row0 * kLd, kLd, 1}, Tile2<T>{do_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar);
       const bool interior = interior_tile(p, i0 + n0, i0 + n0 + 8 * kNTw - 1, j0 + row0, j0 + row0 + 15);
       const uint32_t keep =
           dropout_tile_bits<kNTw, true>(p, key, b, h, j0 + row0 + MmaLayout::c_row(lane, 0), i0 + n0, lane);
@@ -792,7 +821,8 @@ MHA_UNROLL
         }
     }
     sync_tile();
-    warp_mma<T>(dv, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{do_s + c_base, kLd, 1}, kB, lane);  // dV += P^T dO
+    // dV += P^T dO
+    warp_mma<T>(dv, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{do_s + c_base, kLd, 1}, kB, lane, scalar);
     sync_tile();  // P^T read before dS^T overwrites it
     if (has_cols) {
 MHA_UNROLL
@@ -802,7 +832,8 @@ MHA_UNROLL
           t_s[(row0 + MmaLayout::c_row(lane, e)) * kLdP + n0 + 8 * t + MmaLayout::c_col(lane, e)] = to_elem<T>(dst[t][e]);
     }
     sync_tile();
-    warp_mma<T>(dk, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane);  // dK += dS^T Q
+    // dK += dS^T Q
+    warp_mma<T>(dk, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane, scalar);
 
     if (dq_g != nullptr) {
       sync_threads();  // every warp's dS^T rows are written
@@ -810,7 +841,7 @@ MHA_UNROLL
       for (int c0 = c_base; c0 < c_base + kCols; c0 += 8 * kChunk) {
         A dqa[kChunk][4];
         zero(dqa);
-        warp_mma<T>(dqa, Tile2<T>{t_s + row0, 1, kLdP}, Tile2<T>{k_s + c0, kLd, 1}, kB, lane);
+        warp_mma<T>(dqa, Tile2<T>{t_s + row0, 1, kLdP}, Tile2<T>{k_s + c0, kLd, 1}, kB, lane, scalar);
 MHA_UNROLL
         for (int t = 0; t < kChunk; ++t)
 MHA_UNROLL
@@ -859,6 +890,7 @@ MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams params) {
   const int row0 = (warp % kRowWarps) * 16, split = warp / kRowWarps, c_base = split * kCols, n0 = 8 * kNTw * split;
   const int64_t bh = block_idx().x, b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
   const AttentionBwdParams p = sequence_params<T, A>(params, b);  // params itself unless varlen
+  const bool scalar = p.scalar_operands;  // operands by plain loads (launch.h)
   const int64_t i0 = static_cast<int64_t>(block_idx().y) * kB;
   const int64_t L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
   if (i0 >= L) return;  // a block past a shorter sequence's rows (varlen)
@@ -899,8 +931,8 @@ MHA_UNROLL
       A s[kNTw][4], dp[kNTw][4];
       zero(s);
       zero(dp);
-      warp_mma<T>(s, Tile2<T>{q_s + row0 * kLd, kLd, 1}, Tile2<T>{k_s + n0 * kLd, 1, kLd}, kHeadDim, lane);
-      warp_mma<T>(dp, Tile2<T>{do_s + row0 * kLd, kLd, 1}, Tile2<T>{v_s + n0 * kLd, 1, kLd}, kHeadDim, lane);
+      warp_mma<T>(s, Tile2<T>{q_s + row0 * kLd, kLd, 1}, Tile2<T>{k_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar);
+      warp_mma<T>(dp, Tile2<T>{do_s + row0 * kLd, kLd, 1}, Tile2<T>{v_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar);
       const bool interior = interior_tile(p, i0 + row0, i0 + row0 + 15, j0 + n0, j0 + n0 + 8 * kNTw - 1);
       const uint32_t keep =
           dropout_tile_bits<kNTw, false>(p, key, b, h, i0 + row0 + MmaLayout::c_row(lane, 0), j0 + n0, lane);
@@ -921,7 +953,8 @@ MHA_UNROLL
     } else {
       sync_warp();
     }
-    warp_mma<T>(dq, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{k_s + c_base, kLd, 1}, kB, lane);  // dQ += dS K
+    // dQ += dS K
+    warp_mma<T>(dq, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{k_s + c_base, kLd, 1}, kB, lane, scalar);
   });
 
   T* dq_g = static_cast<T*>(p.grad_q) + b * p.grad_q_stride.b + h * p.grad_q_stride.h;

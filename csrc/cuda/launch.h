@@ -10,6 +10,9 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
 
 namespace mha_ext::device {
 
@@ -90,8 +93,22 @@ size_t shared_bytes_needed(int64_t e, int64_t ev) {
   return MHA_HEAD_DIM_SWITCH(d, [&] { return std::max(fwd_shared_bytes<T, kHeadDim>(), bwd_shared_bytes<T, kHeadDim>()); });
 }
 
+// How the kernels load tensor-core operands from shared memory, read at each
+// launch from MHA_EXT_CUDA_OPERANDS: "ldmatrix" (unset: the default) or
+// "scalar" (plain loads, the kernels' way before ldmatrix; the fragments are
+// the same values, so the results are too).
+inline bool scalar_operands_requested() {
+  const char* v = std::getenv("MHA_EXT_CUDA_OPERANDS");
+  if (v == nullptr || std::string(v) == "ldmatrix") return false;
+  if (std::string(v) == "scalar") return true;
+  throw std::invalid_argument(std::string("MHA_EXT_CUDA_OPERANDS must be \"ldmatrix\" or \"scalar\", got \"") + v +
+                              "\"");
+}
+
 template <typename T>
-auto launch_attention_fwd(const AttentionFwdParams& p, Stream stream) {
+auto launch_attention_fwd(const AttentionFwdParams& params, Stream stream) {
+  AttentionFwdParams p = params;
+  p.scalar_operands = scalar_operands_requested();
   const int d = padded_head_dim(p.head_dim, p.head_dim_v);
   return MHA_HEAD_DIM_SWITCH(d, [&] {
     using C = TileConfig<T, kHeadDim>;
@@ -108,7 +125,9 @@ auto launch_attention_fwd(const AttentionFwdParams& p, Stream stream) {
 // p.grad_q_accum is null) the deterministic dQ kernel. `check` receives each
 // launch's status.
 template <typename T, typename Check>
-void launch_attention_bwd(const AttentionBwdParams& p, Stream stream, Check&& check) {
+void launch_attention_bwd(const AttentionBwdParams& params, Stream stream, Check&& check) {
+  AttentionBwdParams p = params;
+  p.scalar_operands = scalar_operands_requested();
   constexpr int kDotWarps = 4;
   const unsigned bh = static_cast<unsigned>(p.batch * p.heads_q);
   check(launch_kernel(attention_bwd_dot_kernel<T>, dim3(bh, row_blocks(p.len_q, kDotRows)),
