@@ -20,6 +20,8 @@ SHAPES = [
     (1, 32, 8, 1, 2049, 128, 128),  # 4 query heads a group
     (3, 16, 2, 2, 700, 32, 16),     # 16 rows a group
     (1, 2, 2, 4, 256, 17, 5),       # odd head dims
+    (2, 4, 4, 1, 700, 64, 72),      # one row a head: V widened in registers, 64 + 8 columns
+    (1, 2, 2, 1, 300, 128, 128),    # one row a head, two 64-column pieces
 ]
 
 

@@ -152,7 +152,16 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
           m[r] = new_max;
           if (alpha != acc_t(1)) Ops::scale(o + r * Ev, Ev, alpha);
         }
-        // O += P V; V widened kVRows rows at a time (an L1-sized buffer) where it is not read in place
+        // O += P V. One row of bfloat16 / float16 V read in place: V widened in
+        // registers (cpu::acc_rows_16); otherwise, and with more rows (where the
+        // gemm below measured faster), V widened kVRows rows at a time (an
+        // L1-sized buffer) where it is not read in place
+        if constexpr (kHalfBits) {
+          if (R == 1 && p.v_stride.col == 1 &&
+              cpu::acc_rows_16(s, 1, n, n, reinterpret_cast<const uint16_t*>(v_tile), p.v_stride.row, Ev, o, Ev,
+                               std::is_same_v<scalar_t, c10::BFloat16>))
+            continue;
+        }
         const int64_t step = tile_needs_pack<scalar_t, acc_t>(p.v_stride.col) ? kVRows : n;
         for (int64_t c0 = 0; c0 < n; c0 += step) {
           const int64_t nc = std::min(step, n - c0);

@@ -8,6 +8,8 @@
 
 #include "x86_intrinsics.h"
 
+#include <algorithm>
+
 namespace mha_ext {
 namespace cpu {
 namespace {
@@ -39,7 +41,7 @@ void dot_rows_16_generic(const float* q, int64_t R, int64_t E, const uint16_t* k
 
 #if MHA_X86
 __attribute__((target("avx512f"))) inline __mmask16 lanes(int64_t left) {
-  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
 }
 
 // Blocks of 16 keys: each key row is loaded for up to four query rows at a
@@ -169,6 +171,78 @@ __attribute__((target("avx512f"))) void widen_half_avx512(const uint16_t* src, i
     _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
   for (; i < n; ++i) dst[i] = bits_to_float(src[i], false);
 }
+
+__attribute__((target("avx512f,avx512bw"))) inline __mmask32 lanes32(int64_t left) {
+  return left >= 32 ? __mmask32(0xFFFFFFFFu) : left <= 0 ? __mmask32(0) : __mmask32((1u << left) - 1);
+}
+
+// 64 columns (cols of them real) of a bfloat16 / float16 row widened into
+// four registers. bfloat16 widens by pairs of columns (the even ones shifted
+// up, the odd ones masked: one instruction for 16 columns), which leaves the
+// even columns of each 32 in one register and the odd ones in the next;
+// acc_rows_16_avx512 interleaves them back on the way out.
+template <int kKind>  // 1: bfloat16, 2: float16
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void widen64(const uint16_t* v, int64_t cols, __m512* w) {
+  for (int h = 0; h < 2; ++h) {
+    const __m512i x = _mm512_maskz_loadu_epi16(lanes32(cols - 32 * h), v + 32 * h);
+    if constexpr (kKind == 1) {
+      w[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      w[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+    } else {
+      w[2 * h] = _mm512_cvtph_ps(_mm512_castsi512_si256(x));
+      w[2 * h + 1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(x, 1));
+    }
+  }
+}
+
+// O (R x Ev) += P (R x n) V (n x Ev) with V's bfloat16 / float16 rows widened
+// in registers: 64 columns of up to 4 rows at a time in 16 accumulators, each
+// sum in j order; the value rows kAheadRows on prefetched.
+constexpr int64_t kAheadRows = 8;
+template <int kKind>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_16_avx512(const float* p, int64_t R, int64_t n,
+                                                                             int64_t ldp, const uint16_t* v,
+                                                                             int64_t ldv, int64_t Ev, float* o,
+                                                                             int64_t ldo) {
+  for (int64_t c0 = 0; c0 < Ev; c0 += 64) {
+    const int64_t nc = std::min<int64_t>(64, Ev - c0);
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int64_t rr = std::min<int64_t>(4, R - r0);
+      const float* pr = p + r0 * ldp;
+      __m512 acc[4][4];
+      for (int r = 0; r < 4; ++r)
+        for (int x = 0; x < 4; ++x) acc[r][x] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; ++j) {
+        if (r0 == 0 && c0 == 0 && j + kAheadRows < n)
+          for (int64_t b = 0; b < Ev * 2; b += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(v + (j + kAheadRows) * ldv) + b, _MM_HINT_T0);
+        __m512 w[4];
+        widen64<kKind>(v + j * ldv + c0, nc, w);
+        for (int r = 0; r < rr; ++r) {
+          const __m512 pb = _mm512_set1_ps(pr[r * ldp + j]);
+          for (int x = 0; x < 4; ++x) acc[r][x] = _mm512_fmadd_ps(pb, w[x], acc[r][x]);
+        }
+      }
+      for (int r = 0; r < rr; ++r) {
+        float* orow = o + (r0 + r) * ldo + c0;
+        for (int h = 0; h < 2; ++h) {
+          __m512 lo = acc[r][2 * h], hi = acc[r][2 * h + 1];
+          if constexpr (kKind == 1) {  // even / odd columns back to 0 .. 15 and 16 .. 31
+            const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            const __m512i ih = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+            const __m512 even = lo;
+            lo = _mm512_permutex2var_ps(even, il, hi);
+            hi = _mm512_permutex2var_ps(even, ih, hi);
+          }
+          const __mmask16 ml = lanes(nc - 32 * h), mh = lanes(nc - 32 * h - 16);
+          float* oc = orow + 32 * h;
+          if (ml) _mm512_mask_storeu_ps(oc, ml, _mm512_add_ps(_mm512_maskz_loadu_ps(ml, oc), lo));
+          if (mh) _mm512_mask_storeu_ps(oc + 16, mh, _mm512_add_ps(_mm512_maskz_loadu_ps(mh, oc + 16), hi));
+        }
+      }
+    }
+  }
+}
 #endif  // MHA_X86
 
 }  // namespace
@@ -199,6 +273,18 @@ bool dot_rows_bf16(const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, i
   }
 #endif
   (void)q, (void)R, (void)E, (void)k, (void)ldk, (void)n, (void)s, (void)lds;
+  return false;
+}
+
+bool acc_rows_16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev,
+                 float* o, int64_t ldo, bool bf16) {
+#if MHA_X86
+  if (active_isa() >= Isa::kAvx512) {
+    bf16 ? acc_rows_16_avx512<1>(p, R, n, ldp, v, ldv, Ev, o, ldo) : acc_rows_16_avx512<2>(p, R, n, ldp, v, ldv, Ev, o, ldo);
+    return true;
+  }
+#endif
+  (void)p, (void)R, (void)n, (void)ldp, (void)v, (void)ldv, (void)Ev, (void)o, (void)ldo, (void)bf16;
   return false;
 }
 
