@@ -414,6 +414,27 @@ MHA_DEVICE A row_max4(A x) {
   return nan_max(x, shfl_xor(x, 2));
 }
 
+// The tile stream of every kernel: body(t, stage) for the tiles at
+// t = first, first + step, .. < end, each once its loads (issue(t, stage):
+// cp.async copies and one commit, plus plain stores) are in for every
+// thread. Two stages: the next tile's loads are issued before this tile's
+// body runs; one stage: after every thread is done with the last tile.
+template <int kStages, typename Issue, typename Body>
+MHA_DEVICE void stream_tiles(int64_t first, int64_t end, int64_t step, Issue&& issue, Body&& body) {
+  if (kStages == 2 && first < end) issue(first, 0);
+  int stage = 0;
+  for (int64_t t = first; t < end; t += step, stage = (stage + 1) % kStages) {
+    if (kStages == 1) {
+      sync_threads();  // the previous tile's readers are done
+      issue(t, 0);
+    }
+    cp_async_wait<0>();
+    sync_threads();  // this tile is in for every thread; the other stage's readers are done
+    if (kStages == 2 && t + step < end) issue(t + step, 1 - stage);  // the next tile loads meanwhile
+    body(t, stage);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Forward. Shared: Q (kBlockM x kLd), kFwdKVStages x (K and V (kBlockN x
 // kLd)), and for float / double P (kBlockM x kLdP). 16-bit types: the Q, K
@@ -466,12 +487,7 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
                     p.v_stride.row, p.v_stride.col, S - j, p.head_dim_v);
     cp_async_commit();
   };
-  if (j_first < kv_end) issue(j_first, 0);
-  int stage = 0;
-  for (int64_t j0 = j_first; j0 < kv_end; j0 += kN, stage = (stage + 1) % kStages) {
-    cp_async_wait<0>();
-    sync_threads();  // this tile is in for every thread; the other stage's readers are done
-    if (kStages == 2 && j0 + kN < kv_end) issue(j0 + kN, 1 - stage);  // the next tile loads meanwhile
+  stream_tiles<kStages>(j_first, kv_end, kN, issue, [&](int64_t j0, int stage) {
     const T* k_s = kv_s + 2 * stage * kN * kLd;
     const T* v_s = k_s + kN * kLd;
 
@@ -569,11 +585,7 @@ MHA_UNROLL
       sync_warp();  // the warp's P rows are written
       warp_mma<T>(o, Tile2<T>{p_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{v_s, kLd, 1}, kN, lane, false);
     }
-    if (kStages == 1 && j0 + kN < kv_end) {
-      sync_threads();  // every reader is done with the one stage
-      issue(j0 + kN, 0);
-    }
-  }
+  });
 
   A l[2], inv[2];
 MHA_UNROLL
@@ -684,27 +696,6 @@ MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams params) {
       static_cast<A*>(p.row_shift)[p.lse_index(b, h, i)] = shift;
       static_cast<A*>(p.row_log_norm)[p.lse_index(b, h, i)] = log_norm;
     }
-  }
-}
-
-// The tile stream of the backward kernels: body(t, stage) for the tiles at
-// t = first, first + step, .. < end, each once its loads (issue(t, stage):
-// cp.async copies and one commit, plus plain stores) are in for every
-// thread. Two stages: the next tile's loads are issued before this tile's
-// body runs; one stage: after every thread is done with the last tile.
-template <int kStages, typename Issue, typename Body>
-MHA_DEVICE void stream_tiles(int64_t first, int64_t end, int64_t step, Issue&& issue, Body&& body) {
-  if (kStages == 2 && first < end) issue(first, 0);
-  int stage = 0;
-  for (int64_t t = first; t < end; t += step, stage = (stage + 1) % kStages) {
-    if (kStages == 1) {
-      sync_threads();  // the previous tile's readers are done
-      issue(t, 0);
-    }
-    cp_async_wait<0>();
-    sync_threads();  // this tile is in for every thread; the other stage's readers are done
-    if (kStages == 2 && t + step < end) issue(t + step, 1 - stage);  // the next tile loads meanwhile
-    body(t, stage);
   }
 }
 
