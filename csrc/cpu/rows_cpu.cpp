@@ -1,6 +1,7 @@
 // Row primitives of the decode kernel (forward_cpu.cpp): scores of a few
-// query rows as dot products with each key row, and bfloat16 / float16 rows
-// widened to float; on the run-time instruction-set choice of gemm_cpu.h.
+// query rows as dot products with each key row, P V with bfloat16 / float16
+// value rows widened in registers, and such rows widened to float; on the
+// run-time instruction-set choice of gemm_cpu.h.
 #include "gemm_cpu.h"
 
 #include <c10/util/BFloat16.h>
