@@ -22,6 +22,9 @@ SHAPES = [
     (1, 2, 2, 4, 256, 17, 5),       # odd head dims
     (2, 4, 4, 1, 700, 64, 72),      # one row a head: V widened in registers, 64 + 8 columns
     (1, 2, 2, 1, 300, 128, 128),    # one row a head, two 64-column pieces
+    (1, 6, 2, 1, 500, 40, 300),     # 3 rows (score blocks of 2 and 1), value columns in 256 + 44
+    (1, 5, 1, 1, 333, 96, 192),     # 5 rows (4 + 1), 192 value columns in one 256-column block
+    (2, 14, 2, 2, 100, 48, 80),     # 14 rows (4 + 4 + 4 + 2), 80 value columns two rows at a time
 ]
 
 

@@ -36,8 +36,9 @@ void dropout_keep_row_cpu(const DropoutParams& d, uint64_t row, int64_t j0, int6
 // rows of its group, in place (float32 with unit column stride) or widened per
 // tile, never packed as K^T. Work items are (batch, key/value head, key
 // split): S = Q K^T as a dot product per (row, key) (cpu::dot_rows: each key
-// row is loaded once for the rows), the online softmax per row (transform_row
-// as in the dense kernel), O += P V. When batch x key/value heads gives fewer than
+// row read once for the rows, whole and in address order), the online softmax
+// per row (transform_row as in the dense kernel), O += P V (cpu::acc_rows:
+// value rows the same way). When batch x key/value heads gives fewer than
 // kDecodeItems items the keys split into runs of whole tiles (flash-decoding);
 // each split leaves its rows' max, sum and unnormalised O, merged in split
 // order. The split count depends on the shape alone, so results do not
@@ -58,9 +59,9 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   const int64_t E = p.head_dim, Ev = p.head_dim_v;
   const acc_t unit = Ops::kUnitsPerNat;
   const acc_t scale = static_cast<acc_t>(p.scale) * unit;
-  // bfloat16 / float16: K is widened in registers by the dot products, V in
-  // kVRows-row pieces (32 KiB at 128 columns), never as whole tiles that would
-  // pass through L2 twice (a third of a bfloat16 decode's time went there)
+  // bfloat16 / float16: K and V are widened in registers (without AVX-512,
+  // V in kVRows-row pieces, 32 KiB at 128 columns, never as whole tiles that
+  // would pass through L2 twice: a third of a bfloat16 decode's time went there)
   constexpr bool kHalfBits = std::is_same_v<acc_t, float> && sizeof(scalar_t) == 2;
   constexpr int64_t kVRows = 64;
   const scalar_t* q = static_cast<const scalar_t*>(p.q);
@@ -107,8 +108,6 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         int64_t ldk = 0, ldv = 0;
         // (in a paged cache a tile lies in one block: its rows are evenly strided from kv_offset)
         const scalar_t* v_tile = v + p.kv_offset(p.v_stride, b, hk, j0);
-        if (p.v_stride.col == 1)  // V's rows on their way to L2 while the scores are computed
-          for (int64_t c = 0; c < n; ++c) prefetch_row(v_tile + c * p.v_stride.row, Ev * sizeof(scalar_t), 1);
         const scalar_t* k_tile = k + p.kv_offset(p.k_stride, b, hk, j0);
         acc_t* s = s_buf.data();
         bool scored = false;
@@ -152,15 +151,18 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
           m[r] = new_max;
           if (alpha != acc_t(1)) Ops::scale(o + r * Ev, Ev, alpha);
         }
-        // O += P V. One row of bfloat16 / float16 V read in place: V widened in
-        // registers (cpu::acc_rows_16); otherwise, and with more rows (where the
-        // gemm below measured faster), V widened kVRows rows at a time (an
-        // L1-sized buffer) where it is not read in place
-        if constexpr (kHalfBits) {
-          if (R == 1 && p.v_stride.col == 1 &&
-              cpu::acc_rows_16(s, 1, n, n, reinterpret_cast<const uint16_t*>(v_tile), p.v_stride.row, Ev, o, Ev,
-                               std::is_same_v<scalar_t, c10::BFloat16>))
-            continue;
+        // O += P V: value rows read whole, in place, float32 as they are and
+        // bfloat16 / float16 widened in registers (cpu::acc_rows); where that
+        // routine is not in use, V widened kVRows rows at a time (an L1-sized
+        // buffer) where it is not read in place, and cpu::gemm
+        if (p.v_stride.col == 1) {
+          bool done = false;
+          if constexpr (kHalfBits)
+            done = cpu::acc_rows_16(s, R, n, n, reinterpret_cast<const uint16_t*>(v_tile), p.v_stride.row, Ev, o, Ev,
+                                    std::is_same_v<scalar_t, c10::BFloat16>);
+          else if constexpr (std::is_same_v<scalar_t, float>)
+            done = cpu::acc_rows(s, R, n, n, v_tile, p.v_stride.row, Ev, o, Ev);
+          if (done) continue;
         }
         const int64_t step = tile_needs_pack<scalar_t, acc_t>(p.v_stride.col) ? kVRows : n;
         for (int64_t c0 = 0; c0 < n; c0 += step) {

@@ -90,9 +90,11 @@ void dot_rows_16(const float* q, int64_t R, int64_t E, const uint16_t* k, int64_
 bool dot_rows_bf16(const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
                    int64_t lds);
 // o[r * ldo + c] += sum over j < n of p[r * ldp + j] v[j * ldv + c] for R rows
-// and Ev columns, with bfloat16 (bf16) or float16 rows of v widened in
-// registers, each sum in j order; false (nothing written) where the path in
-// use has no such routine
+// and Ev columns, each value row read whole in address order; false (nothing
+// written) where the path in use has no such routine. acc_rows_16: bfloat16
+// (bf16) or float16 rows of v widened in registers
+bool acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v, int64_t ldv, int64_t Ev, float* o,
+              int64_t ldo);
 bool acc_rows_16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev,
                  float* o, int64_t ldo, bool bf16);
 // dst[i] = float of the bfloat16 / float16 bits src[i] (exact)

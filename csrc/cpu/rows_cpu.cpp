@@ -1,7 +1,8 @@
 // Row primitives of the decode kernel (forward_cpu.cpp): scores of a few
-// query rows as dot products with each key row, P V with bfloat16 / float16
-// value rows widened in registers, and such rows widened to float; on the
-// run-time instruction-set choice of gemm_cpu.h.
+// query rows as dot products with each key row, and P V, each key and value
+// row read whole and in address order (bfloat16 / float16 rows widened in
+// registers); bfloat16 / float16 rows widened to float; on the run-time
+// instruction-set choice of gemm_cpu.h.
 #include "gemm_cpu.h"
 
 #include <c10/util/BFloat16.h>
@@ -10,6 +11,8 @@
 #include "x86_intrinsics.h"
 
 #include <algorithm>
+#include <type_traits>
+#include <utility>
 
 namespace mha_ext {
 namespace cpu {
@@ -45,114 +48,148 @@ __attribute__((target("avx512f"))) inline __mmask16 lanes(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
 }
 
-// Blocks of 16 keys: each key row is loaded for up to four query rows at a
-// time, whose products accumulate in zmm lanes and are summed at the end; the
-// 16 sums gather in a register and go to s in one store. The block's rows stay
-// in L1 for the next four query rows. The key rows kAhead keys on are
-// prefetched: without it, 3 to 8 query rows read K at 8-10 GB/s on one core
-// (AMD EPYC, float32, E = 128), with it 24-31.
-constexpr int64_t kAhead = 8;
-
-// The four rows' dot products of key t of a block (the lanes of a0 .. a3
-// summed) into lane t of s0 .. s3; the first rr rows are real.
-__attribute__((target("avx512f"))) inline void gather_sums(int64_t t, int64_t rr, __m512 a0, __m512 a1, __m512 a2,
-                                                           __m512 a3, __m512& s0, __m512& s1, __m512& s2, __m512& s3) {
-  const __mmask16 at = __mmask16(1u << t);
-  s0 = _mm512_mask_mov_ps(s0, at, _mm512_set1_ps(_mm512_reduce_add_ps(a0)));
-  if (rr > 1) s1 = _mm512_mask_mov_ps(s1, at, _mm512_set1_ps(_mm512_reduce_add_ps(a1)));
-  if (rr > 2) s2 = _mm512_mask_mov_ps(s2, at, _mm512_set1_ps(_mm512_reduce_add_ps(a2)));
-  if (rr > 3) s3 = _mm512_mask_mov_ps(s3, at, _mm512_set1_ps(_mm512_reduce_add_ps(a3)));
+// Sixteen sums at once: lane l of the result is the sum of the lanes of
+// x[l]. A tree of 15 steps, each two shuffles and an add (halves, quarters,
+// pairs, single lanes), in place of a horizontal sum per vector; its order
+// is fixed, so each sum is the same for any caller.
+__attribute__((target("avx512f"))) inline __m512 sum16(const __m512* x) {
+  // after the four steps lane 4 j + m holds the sum of input 4 m + j: inputs in that order
+  __m512 a[16], b[8], c[4], d[2];
+  for (int i = 0; i < 16; ++i) a[i] = x[4 * (i % 4) + i / 4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
 }
 
-// The block's nc sums of rr rows into s (row stride lds), one store a row.
-__attribute__((target("avx512f"))) inline void store_sums(float* sc, int64_t lds, int64_t nc, int64_t rr, __m512 s0,
-                                                          __m512 s1, __m512 s2, __m512 s3) {
-  const __mmask16 m = lanes(nc);
-  _mm512_mask_storeu_ps(sc, m, s0);
-  if (rr > 1) _mm512_mask_storeu_ps(sc + lds, m, s1);
-  if (rr > 2) _mm512_mask_storeu_ps(sc + 2 * lds, m, s2);
-  if (rr > 3) _mm512_mask_storeu_ps(sc + 3 * lds, m, s3);
-}
+// Score kinds: 0 float32; 1 bfloat16 and 2 float16 key rows widened in the
+// register (no widened copy of the tile goes through the caches); 3
+// bfloat16 query and key rows multiplied in pairs by AVX512-BF16's vdpbf16ps
+// (products exact in float, summed in float; 32 columns an instruction, no
+// widening; only where the CPU has it).
+template <int kKind>
+struct ScoreKind {
+  using Q = std::conditional_t<kKind == 3, uint16_t, float>;
+  using K = std::conditional_t<kKind == 0, float, uint16_t>;
+  static constexpr int64_t kCols = kKind == 3 ? 32 : 16;  // columns a step
+};
 
-// 16 key elements as floats: float32 as they are, bfloat16 / float16 widened
-// in the register (no widened copy of the tile goes through the caches).
-template <int kKind>  // 0: float32, 1: bfloat16, 2: float16
-__attribute__((target("avx512f"))) inline __m512 load16(const void* p, int64_t e, __mmask16 m) {
-  if constexpr (kKind == 0) {
-    return _mm512_maskz_loadu_ps(m, static_cast<const float*>(p) + e);
+// Columns e .. e + kCols of a query or key row (the first `left` real, the
+// rest zero) in one register.
+template <int kKind, typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load_cols(const T* row, int64_t e, int64_t left) {
+  if constexpr (kKind == 3) {
+    const __mmask32 m = left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << left) - 1);
+    return _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(m, row + e));
+  } else if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(lanes(left), row + e);
   } else {
-    const uint16_t* h = static_cast<const uint16_t*>(p) + e;
-    __m256i x;
-    if (m == __mmask16(0xFFFF)) {
-      x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
-    } else {
-      alignas(32) uint16_t tmp[16] = {};
-      for (int i = 0; i < 16; ++i)
-        if (m >> i & 1) tmp[i] = h[i];
-      x = _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
-    }
+    const __m256i x = _mm256_maskz_loadu_epi16(lanes(left), row + e);
     if constexpr (kKind == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
     return _mm512_cvtph_ps(x);
   }
 }
 
-template <int kKind, typename K>
-__attribute__((target("avx512f"))) void dot_rows_avx512(const float* q, int64_t R, int64_t E, const K* k,
-                                                        int64_t ldk, int64_t n, float* s, int64_t lds) {
-  for (int64_t c0 = 0; c0 < n; c0 += 16) {
-    const int64_t nc = n - c0 < 16 ? n - c0 : 16;
-    for (int64_t r0 = 0; r0 < R; r0 += 4) {
-      const int64_t rr = R - r0 < 4 ? R - r0 : 4;
-      const float* q0 = q + r0 * E;
-      __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-      for (int64_t t = 0; t < nc; ++t) {
-        const int64_t c = c0 + t;
-        const K* kr = k + c * ldk;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t e = 0; e < E; e += 16) {
-          const __mmask16 m = lanes(E - e);
-          if (r0 == 0 && c + kAhead < n && (e * sizeof(K)) % 64 == 0)
-            _mm_prefetch(reinterpret_cast<const char*>(kr + kAhead * ldk + e), _MM_HINT_T0);
-          const __m512 kv = load16<kKind>(kr, e, m);
-          a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q0 + e), kv, a0);
-          if (rr > 1) a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q0 + E + e), kv, a1);
-          if (rr > 2) a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q0 + 2 * E + e), kv, a2);
-          if (rr > 3) a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q0 + 3 * E + e), kv, a3);
-        }
-        gather_sums(t, rr, a0, a1, a2, a3, s0, s1, s2, s3);
-      }
-      store_sums(s + r0 * lds + c0, lds, nc, rr, s0, s1, s2, s3);
+// acc += q k over one step of columns: a fused multiply-add, or for kind 3
+// vdpbf16ps (written out, so that this template needs no AVX512-BF16 target
+// and stays callable on CPUs without it, where kind 3 is never used)
+template <int kKind>
+__attribute__((target("avx512f"))) inline __m512 dot_step(__m512 acc, __m512 q, __m512 k) {
+  if constexpr (kKind == 3) {
+    asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(q), "v"(k));
+    return acc;
+  } else {
+    return _mm512_fmadd_ps(q, k, acc);
+  }
+}
+
+// acc[r KB + C] += the dot products of key row k with query rows qr[r]:
+// the key row read whole, in address order (its columns once for the RB
+// rows; the query columns come from L1 each time). C is a constant, so
+// that the accumulators stay in registers.
+template <int kKind, int RB, int KB, int C>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void key_dot(
+    __m512* acc, const typename ScoreKind<kKind>::Q* const* qr, const typename ScoreKind<kKind>::K* k, int64_t E) {
+  constexpr int64_t kStep = ScoreKind<kKind>::kCols;
+  int64_t e = 0;
+  for (; e + kStep <= E; e += kStep) {
+    const __m512 kv = load_cols<kKind>(k, e, kStep);
+    for (int r = 0; r < RB; ++r) acc[r * KB + C] = dot_step<kKind>(acc[r * KB + C], load_cols<kKind>(qr[r], e, kStep), kv);
+  }
+  if (e < E) {
+    const __m512 kv = load_cols<kKind>(k, e, E - e);
+    for (int r = 0; r < RB; ++r) acc[r * KB + C] = dot_step<kKind>(acc[r * KB + C], load_cols<kKind>(qr[r], e, E - e), kv);
+  }
+}
+
+template <int kKind, int RB, int KB, int... C>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void keys_dot(
+    __m512* acc, const typename ScoreKind<kKind>::Q* const* qr, const typename ScoreKind<kKind>::K* k, int64_t ldk,
+    int64_t nk, int64_t E, std::integer_sequence<int, C...>) {
+  (key_dot<kKind, RB, KB, C>(acc, qr, k + std::min<int64_t>(C, nk - 1) * ldk, E), ...);
+}
+
+// The scores of RB query rows with 16 keys, in 16 / RB sub-blocks of KB keys:
+// each sub-block keeps its RB x KB dot products in 16 registers, sums them
+// with sum16 and stores row r's KB sums from lanes r KB .. Key rows are read
+// one after the other: read row-interleaved, four key rows go at 7 GB/s on
+// one core where in order they go as fast as a plain sum, 19 (AMD EPYC,
+// float32, E = 128: bench/row_order.cpp; software prefetches helped neither
+// order).
+// Rows past rr and keys past nc repeat the last real one (read, never
+// stored).
+template <int kKind, int RB>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const typename ScoreKind<kKind>::Q* q,
+                                                                    int64_t rr, int64_t E,
+                                                                    const typename ScoreKind<kKind>::K* k, int64_t ldk,
+                                                                    int64_t nc, float* s, int64_t lds) {
+  constexpr int KB = 16 / RB;
+  const typename ScoreKind<kKind>::Q* qr[RB];
+  for (int r = 0; r < RB; ++r) qr[r] = q + std::min<int64_t>(r, rr - 1) * E;
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t k0 = 0; k0 < nc; k0 += KB) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    keys_dot<kKind, RB, KB>(acc, qr, k + k0 * ldk, ldk, nc - k0, E, std::make_integer_sequence<int, KB>{});
+    const __m512 sums = sum16(acc);  // lane r KB + c: row r, key k0 + c
+    const __mmask16 kc = lanes(nc - k0);
+    for (int r = 0; r < std::min<int64_t>(RB, rr); ++r) {  // row r's lanes down to 0, then stored
+      const __m512 row = r == 0 ? sums : _mm512_permutexvar_ps(_mm512_add_epi32(iota, _mm512_set1_epi32(r * KB)), sums);
+      _mm512_mask_storeu_ps(s + r * lds + k0, KB == 16 ? kc : __mmask16(kc & ((1u << KB) - 1)), row);
     }
   }
 }
 
-// bfloat16 query and key rows multiplied in pairs by AVX512-BF16's
-// vdpbf16ps (products exact in float, summed in float): 32 columns an
-// instruction and no widening at all.
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void dot_rows_bf16_dp(
-    const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s, int64_t lds) {
+// S (R x n, row stride lds) = Q K^T by blocks of 16 keys: four query rows at a
+// time (4 x 4 sub-blocks), then two (2 x 8), then one (1 x 16). The block's
+// key rows stay in L1 for the next query rows.
+template <int kKind>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const typename ScoreKind<kKind>::Q* q,
+                                                                        int64_t R, int64_t E,
+                                                                        const typename ScoreKind<kKind>::K* k,
+                                                                        int64_t ldk, int64_t n, float* s, int64_t lds) {
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
-    const int64_t nc = n - c0 < 16 ? n - c0 : 16;
-    for (int64_t r0 = 0; r0 < R; r0 += 4) {
-      const int64_t rr = R - r0 < 4 ? R - r0 : 4;
-      const uint16_t* q0 = q + r0 * E;
-      __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-      for (int64_t t = 0; t < nc; ++t) {
-        const int64_t c = c0 + t;
-        const uint16_t* kr = k + c * ldk;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t e = 0; e < E; e += 32) {
-          const __mmask32 m = E - e >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (E - e)) - 1);
-          if (r0 == 0 && c + kAhead < n) _mm_prefetch(reinterpret_cast<const char*>(kr + kAhead * ldk + e), _MM_HINT_T0);
-          const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(m, kr + e);
-          a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m, q0 + e), kv);
-          if (rr > 1) a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(m, q0 + E + e), kv);
-          if (rr > 2) a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_maskz_loadu_epi16(m, q0 + 2 * E + e), kv);
-          if (rr > 3) a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_maskz_loadu_epi16(m, q0 + 3 * E + e), kv);
-        }
-        gather_sums(t, rr, a0, a1, a2, a3, s0, s1, s2, s3);
+    const int64_t nc = std::min<int64_t>(16, n - c0);
+    for (int64_t r0 = 0; r0 < R;) {
+      const int64_t rr = R - r0;
+      const auto* qr = q + r0 * E;
+      const auto* kc = k + c0 * ldk;
+      float* sc = s + r0 * lds + c0;
+      if (rr >= 4) {
+        score_block<kKind, 4>(qr, 4, E, kc, ldk, nc, sc, lds);
+        r0 += 4;
+      } else if (rr >= 2) {
+        score_block<kKind, 2>(qr, 2, E, kc, ldk, nc, sc, lds);
+        r0 += 2;
+      } else {
+        score_block<kKind, 1>(qr, 1, E, kc, ldk, nc, sc, lds);
+        r0 += 1;
       }
-      store_sums(s + r0 * lds + c0, lds, nc, rr, s0, s1, s2, s3);
     }
   }
 }
@@ -173,72 +210,116 @@ __attribute__((target("avx512f"))) void widen_half_avx512(const uint16_t* src, i
   for (; i < n; ++i) dst[i] = bits_to_float(src[i], false);
 }
 
-__attribute__((target("avx512f,avx512bw"))) inline __mmask32 lanes32(int64_t left) {
-  return left >= 32 ? __mmask32(0xFFFFFFFFu) : left <= 0 ? __mmask32(0) : __mmask32((1u << left) - 1);
-}
-
-// 64 columns (cols of them real) of a bfloat16 / float16 row widened into
-// four registers. bfloat16 widens by pairs of columns (the even ones shifted
-// up, the odd ones masked: one instruction for 16 columns), which leaves the
-// even columns of each 32 in one register and the odd ones in the next;
-// acc_rows_16_avx512 interleaves them back on the way out.
-template <int kKind>  // 1: bfloat16, 2: float16
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void widen64(const uint16_t* v, int64_t cols, __m512* w) {
-  for (int h = 0; h < 2; ++h) {
-    const __m512i x = _mm512_maskz_loadu_epi16(lanes32(cols - 32 * h), v + 32 * h);
-    if constexpr (kKind == 1) {
-      w[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-      w[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
-    } else {
-      w[2 * h] = _mm512_cvtph_ps(_mm512_castsi512_si256(x));
-      w[2 * h + 1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(x, 1));
+// 64 columns of a value row as floats in w, the lanes of each register given
+// by m: float32 loaded, bfloat16 / float16 widened (bfloat16 by pairs of
+// columns: the even ones shifted up, the odd ones masked, one instruction
+// for 16 columns; even and odd columns of each 32 land in consecutive
+// registers, interleaved back on the way out).
+template <int kKind>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void value_quad(const void* row, int qd,
+                                                                                         const __mmask16* m, __m512* w) {
+  if constexpr (kKind == 0) {
+    const float* f = static_cast<const float*>(row) + 64 * qd;
+    for (int x = 0; x < 4; ++x) w[x] = _mm512_maskz_loadu_ps(m[x], f + 16 * x);
+  } else {
+    const uint16_t* h = static_cast<const uint16_t*>(row) + 64 * qd;
+    for (int x = 0; x < 2; ++x) {
+      const __m512i b = _mm512_maskz_loadu_epi16(__mmask32(m[2 * x]) | __mmask32(m[2 * x + 1]) << 16, h + 32 * x);
+      if constexpr (kKind == 1) {
+        w[2 * x] = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+        w[2 * x + 1] = _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+      } else {
+        w[2 * x] = _mm512_cvtph_ps(_mm512_castsi512_si256(b));
+        w[2 * x + 1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(b, 1));
+      }
     }
   }
 }
 
-// O (R x Ev) += P (R x n) V (n x Ev) with V's bfloat16 / float16 rows widened
-// in registers: 64 columns of up to 4 rows at a time in 16 accumulators, each
-// sum in j order; the value rows kAheadRows on prefetched.
-constexpr int64_t kAheadRows = 8;
-template <int kKind>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_16_avx512(const float* p, int64_t R, int64_t n,
-                                                                             int64_t ldp, const uint16_t* v,
-                                                                             int64_t ldv, int64_t Ev, float* o,
-                                                                             int64_t ldo) {
-  for (int64_t c0 = 0; c0 < Ev; c0 += 64) {
-    const int64_t nc = std::min<int64_t>(64, Ev - c0);
-    for (int64_t r0 = 0; r0 < R; r0 += 4) {
-      const int64_t rr = std::min<int64_t>(4, R - r0);
-      const float* pr = p + r0 * ldp;
-      __m512 acc[4][4];
-      for (int r = 0; r < 4; ++r)
-        for (int x = 0; x < 4; ++x) acc[r][x] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < n; ++j) {
-        if (r0 == 0 && c0 == 0 && j + kAheadRows < n)
-          for (int64_t b = 0; b < Ev * 2; b += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(v + (j + kAheadRows) * ldv) + b, _MM_HINT_T0);
-        __m512 w[4];
-        widen64<kKind>(v + j * ldv + c0, nc, w);
-        for (int r = 0; r < rr; ++r) {
-          const __m512 pb = _mm512_set1_ps(pr[r * ldp + j]);
-          for (int x = 0; x < 4; ++x) acc[r][x] = _mm512_fmadd_ps(pb, w[x], acc[r][x]);
-        }
+// O (RB rows from o, ldo) += P (RB x nj, ldp) V (nj rows of v, ldv) over 64 NQ
+// columns (cols real), RB NQ <= 4: the RB x 64 NQ sums in 16 registers, each
+// in j order, added to O at the end. Each value row is read whole (up to 64
+// NQ columns), in address order, as key rows are (key_dot). Rows past rr
+// repeat the last real one (computed, never stored).
+template <int kKind, int RB, int NQ>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const float* p, int64_t ldp, int64_t rr,
+                                                                    int64_t nj, const char* v, int64_t ldv_bytes,
+                                                                    int64_t cols, float* o, int64_t ldo) {
+  const float* pr[RB];
+  for (int r = 0; r < RB; ++r) pr[r] = p + std::min<int64_t>(r, rr - 1) * ldp;
+  __m512 acc[RB][4 * NQ];
+  for (int r = 0; r < RB; ++r)
+    for (int x = 0; x < 4 * NQ; ++x) acc[r][x] = _mm512_setzero_ps();
+  __mmask16 mk[4 * NQ];  // the real columns of each register
+  for (int x = 0; x < 4 * NQ; ++x) mk[x] = lanes(cols - 16 * x);
+  for (int64_t j = 0; j < nj; ++j) {
+    __m512 pb[RB];
+    for (int r = 0; r < RB; ++r) pb[r] = _mm512_set1_ps(pr[r][j]);
+    for (int qd = 0; qd < NQ; ++qd) {
+      __m512 w[4];
+      value_quad<kKind>(v + j * ldv_bytes, qd, mk + 4 * qd, w);
+      for (int r = 0; r < RB; ++r)
+        for (int x = 0; x < 4; ++x) acc[r][4 * qd + x] = _mm512_fmadd_ps(pb[r], w[x], acc[r][4 * qd + x]);
+    }
+  }
+  // (no branch on rr: rows past it store under an empty mask, so that acc is
+  // indexed by constants and stays in registers)
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r) {
+    const __mmask16 row = r < rr ? __mmask16(0xFFFF) : __mmask16(0);
+#pragma GCC unroll 8
+    for (int h = 0; h < 2 * NQ; ++h) {  // 32 columns at a time
+      __m512 lo = acc[r][2 * h], hi = acc[r][2 * h + 1];
+      if constexpr (kKind == 1) {  // even / odd columns back to 0 .. 15 and 16 .. 31
+        const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        const __m512i ih = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+        const __m512 even = lo;
+        lo = _mm512_permutex2var_ps(even, il, hi);
+        hi = _mm512_permutex2var_ps(even, ih, hi);
       }
-      for (int r = 0; r < rr; ++r) {
-        float* orow = o + (r0 + r) * ldo + c0;
-        for (int h = 0; h < 2; ++h) {
-          __m512 lo = acc[r][2 * h], hi = acc[r][2 * h + 1];
-          if constexpr (kKind == 1) {  // even / odd columns back to 0 .. 15 and 16 .. 31
-            const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-            const __m512i ih = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-            const __m512 even = lo;
-            lo = _mm512_permutex2var_ps(even, il, hi);
-            hi = _mm512_permutex2var_ps(even, ih, hi);
-          }
-          const __mmask16 ml = lanes(nc - 32 * h), mh = lanes(nc - 32 * h - 16);
-          float* oc = orow + 32 * h;
-          if (ml) _mm512_mask_storeu_ps(oc, ml, _mm512_add_ps(_mm512_maskz_loadu_ps(ml, oc), lo));
-          if (mh) _mm512_mask_storeu_ps(oc + 16, mh, _mm512_add_ps(_mm512_maskz_loadu_ps(mh, oc + 16), hi));
+      const __mmask16 ml = mk[2 * h] & row, mh = mk[2 * h + 1] & row;
+      float* oc = o + std::min<int64_t>(r, rr - 1) * ldo + 32 * h;
+      _mm512_mask_storeu_ps(oc, ml, _mm512_add_ps(_mm512_maskz_loadu_ps(ml, oc), lo));
+      _mm512_mask_storeu_ps(oc + 16, mh, _mm512_add_ps(_mm512_maskz_loadu_ps(mh, oc + 16), hi));
+    }
+  }
+}
+
+// O (R x Ev) += P (R x n) V (n x Ev) by chunks of kValueKeys keys (L1-sized),
+// each read from memory once by the first rows' pass and from L1 by the
+// rest: 4 rows at a time with up to 64 columns, 2 with up to 128, else 1
+// row and 256 columns at a time; a last single row with up to 128 columns
+// alone.
+constexpr int64_t kValueKeys = 32;
+template <int kKind>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const float* p, int64_t R, int64_t n,
+                                                                         int64_t ldp, const void* v, int64_t ldv,
+                                                                         int64_t Ev, float* o, int64_t ldo) {
+  const int64_t elem = kKind == 0 ? 4 : 2, ldv_bytes = ldv * elem;
+  const char* vb = static_cast<const char*>(v);
+  for (int64_t j0 = 0; j0 < n; j0 += kValueKeys) {
+    const int64_t nj = std::min(kValueKeys, n - j0);
+    for (int64_t c0 = 0; c0 < Ev; c0 += 256) {
+      const int64_t cols = std::min<int64_t>(256, Ev - c0);
+      const char* vc = vb + j0 * ldv_bytes + c0 * elem;
+      for (int64_t r0 = 0; r0 < R;) {
+        const float* pr = p + r0 * ldp + j0;
+        float* orow = o + r0 * ldo + c0;
+        if (R - r0 == 1 && cols <= 128) {  // one row: no work on copies of it
+          if (cols <= 64)
+            value_block<kKind, 1, 1>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
+          else
+            value_block<kKind, 1, 2>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
+          r0 += 1;
+        } else if (cols <= 64) {
+          value_block<kKind, 4, 1>(pr, ldp, R - r0, nj, vc, ldv_bytes, cols, orow, ldo);
+          r0 += 4;
+        } else if (cols <= 128) {
+          value_block<kKind, 2, 2>(pr, ldp, R - r0, nj, vc, ldv_bytes, cols, orow, ldo);
+          r0 += 2;
+        } else {
+          value_block<kKind, 1, 4>(pr, ldp, R - r0, nj, vc, ldv_bytes, cols, orow, ldo);
+          r0 += 1;
         }
       }
     }
@@ -269,7 +350,7 @@ bool dot_rows_bf16(const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, i
 #if MHA_X86
   static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
   if (active_isa() >= Isa::kAvx512 && has_bf16) {
-    dot_rows_bf16_dp(q, R, E, k, ldk, n, s, lds);
+    dot_rows_avx512<3>(q, R, E, k, ldk, n, s, lds);
     return true;
   }
 #endif
@@ -277,11 +358,23 @@ bool dot_rows_bf16(const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, i
   return false;
 }
 
+bool acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v, int64_t ldv, int64_t Ev, float* o,
+              int64_t ldo) {
+#if MHA_X86
+  if (active_isa() >= Isa::kAvx512) {
+    acc_rows_avx512<0>(p, R, n, ldp, v, ldv, Ev, o, ldo);
+    return true;
+  }
+#endif
+  (void)p, (void)R, (void)n, (void)ldp, (void)v, (void)ldv, (void)Ev, (void)o, (void)ldo;
+  return false;
+}
+
 bool acc_rows_16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev,
                  float* o, int64_t ldo, bool bf16) {
 #if MHA_X86
   if (active_isa() >= Isa::kAvx512) {
-    bf16 ? acc_rows_16_avx512<1>(p, R, n, ldp, v, ldv, Ev, o, ldo) : acc_rows_16_avx512<2>(p, R, n, ldp, v, ldv, Ev, o, ldo);
+    bf16 ? acc_rows_avx512<1>(p, R, n, ldp, v, ldv, Ev, o, ldo) : acc_rows_avx512<2>(p, R, n, ldp, v, ldv, Ev, o, ldo);
     return true;
   }
 #endif
