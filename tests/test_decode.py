@@ -25,6 +25,8 @@ SHAPES = [
     (1, 6, 2, 1, 500, 40, 300),     # 3 rows (score blocks of 2 and 1), value columns in 256 + 44
     (1, 5, 1, 1, 333, 96, 192),     # 5 rows (4 + 1), 192 value columns in one 256-column block
     (2, 14, 2, 2, 100, 48, 80),     # 14 rows (4 + 4 + 4 + 2), 80 value columns two rows at a time
+    (8, 16, 8, 2, 300, 32, 24),     # 64 key/value heads: one split each, rows written by their item
+    (4, 16, 16, 16, 40, 32, 32),    # an encoder's 16-row heads (64 of them), 8 rows at a time
 ]
 
 
@@ -76,15 +78,16 @@ def test_decode_variants_match_reference(variant):
     _check(q, k, v, **variant)
 
 
-def test_decode_masks_empty_rows_and_nan():
-    q, k, v = _inputs((2, 8, 2, 2, 1500, 16, 16), torch.float32)
-    mask = torch.rand(2, 8, 2, 1500, generator=torch.Generator().manual_seed(3)) > 0.3
+@pytest.mark.parametrize("batch", [2, 32], ids=["split keys", "one split a head"])
+def test_decode_masks_empty_rows_and_nan(batch):
+    q, k, v = _inputs((batch, 8, 2, 2, 1500, 16, 16), torch.float32)
+    mask = torch.rand(batch, 8, 2, 1500, generator=torch.Generator().manual_seed(3)) > 0.3
     mask[0, 1, 0] = False  # a row with no key: output 0, lse -inf
-    mask[1, :, 1, :1200] = False  # keys only in the last split
+    mask[1, :, 1, :1200] = False  # keys only in the last tiles (with splits: the last split)
     out, lse = _check(q, k, v, mask)
     assert torch.equal(out[0, 1, 0], torch.zeros(16)) and lse[0, 1, 0] == float("-inf")
     k2 = k.clone()
-    k2[1, 0, 900] = float("nan")  # NaN in one split: the rows of its group become NaN, no others
+    k2[1, 0, 900] = float("nan")  # NaN in one key: the rows of its group become NaN, no others
     out2, lse2 = op.attention(q, k2, v, None, 0.0, False, None, True)[:2]
     assert out2[1, :4].isnan().all() and lse2[1, :4].isnan().all()
     assert not out2[0].isnan().any() and not out2[1, 4:].isnan().any()

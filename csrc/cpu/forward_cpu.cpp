@@ -78,9 +78,41 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   const int64_t want = std::min(std::max<int64_t>((kDecodeItems + heads - 1) / heads, 1), std::max<int64_t>(tiles, 1));
   const int64_t split_tiles = std::max<int64_t>((tiles + want - 1) / want, 1);
   const int64_t n_splits = std::max<int64_t>((tiles + split_tiles - 1) / split_tiles, 1);
-  Buffer<acc_t> part_o(heads * n_splits * R * Ev), part_m(heads * n_splits * R), part_l(heads * n_splits * R);
+  // One split a head (batch x key/value heads fill the threads): each item
+  // writes its rows' output itself, from a per-thread O; else the splits'
+  // partial results go through part_* to a merge pass.
+  const bool direct = n_splits == 1;
+  const int64_t n_part = direct ? 0 : heads * n_splits;
+  Buffer<acc_t> part_o(n_part * R * Ev), part_m(n_part * R), part_l(n_part * R);
+  scalar_t* out = static_cast<scalar_t*>(p.out);
+  acc_t* lse = static_cast<acc_t*>(p.lse);
+  // Row r of key/value head bk (of batch b) from its splits' (max, sum,
+  // unnormalised O), split sp's at m_s[sp R + r], l_s[sp R + r], o_s[(sp R + r) Ev],
+  // merged in split order: O = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s.
+  auto finish_row = [&](int64_t bk, int64_t r, const acc_t* m_s, const acc_t* l_s, const acc_t* o_s, int64_t splits,
+                        acc_t* acc) {
+    const int64_t b = bk / Hkv, h = bk % Hkv * G + r / L, i = r % L;
+    acc_t mx = kNegInf;
+    for (int64_t sp = 0; sp < splits; ++sp) mx = nan_max(mx, m_s[sp * R + r]);
+    acc_t total = 0;
+    std::fill(acc, acc + Ev, acc_t(0));
+    for (int64_t sp = 0; sp < splits; ++sp) {
+      const acc_t ms = m_s[sp * R + r];
+      if (ms == kNegInf) continue;  // a split whose keys the row may not see
+      const acc_t wt = Ops::expb(ms - mx);
+      total += l_s[sp * R + r] * wt;
+      const acc_t* os = o_s + (sp * R + r) * Ev;
+      for (int64_t e = 0; e < Ev; ++e) acc[e] += os[e] * wt;
+    }
+    const acc_t inv = total > acc_t(0) ? acc_t(1) / total : acc_t(0);
+    scalar_t* orow = out + b * p.out_stride.b + h * p.out_stride.h + i * p.out_stride.row;
+    for (int64_t e = 0; e < Ev; ++e) orow[e * p.out_stride.col] = static_cast<scalar_t>(acc[e] * inv);
+    // -inf for a row that may see no key; NaN stays NaN (as the dense kernel)
+    lse[p.lse_index(b, h, i)] = total > acc_t(0) ? (mx + Ops::logb(total)) / unit : (total == total ? kNegInf : total);
+  };
   at::parallel_for(0, heads * n_splits, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> qr(R * E), s_buf(R * kBlockN);
+    Buffer<acc_t> own_o(direct ? R * Ev : 0), own_m(direct ? R : 0), own_l(direct ? R : 0), acc(direct ? Ev : 0);
     Buffer<uint16_t> q_bits(std::is_same_v<scalar_t, c10::BFloat16> ? R * E : 0);
     // K and V are read in place unless strided (or V is widened, kVRows rows
     // at a time): sized for that only, as zeroing them was a tenth of a small call
@@ -95,9 +127,9 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)  // the unscaled bits, for cpu::dot_rows_bf16
           for (int64_t e = 0; e < E; ++e) q_bits[r * E + e] = src[e * p.q_stride.col].x;
       }
-      acc_t* o = part_o.data() + w * R * Ev;
-      acc_t* m = part_m.data() + w * R;
-      acc_t* l = part_l.data() + w * R;
+      acc_t* o = direct ? own_o.data() : part_o.data() + w * R * Ev;
+      acc_t* m = direct ? own_m.data() : part_m.data() + w * R;
+      acc_t* l = direct ? own_l.data() : part_l.data() + w * R;
       std::fill(o, o + R * Ev, acc_t(0));
       std::fill(m, m + R, kNegInf);
       std::fill(l, l + R, acc_t(0));
@@ -172,33 +204,17 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
           cpu::gemm(R, Ev, nc, acc_t(1), s + c0, n, 1, vr, ldv, acc_t(1), o, Ev);
         }
       }
+      if (direct)
+        for (int64_t r = 0; r < R; ++r) finish_row(bk, r, m, l, o, 1, acc.data());
     }
   });
-  // Merge the splits of each row in split order: O = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s.
-  scalar_t* out = static_cast<scalar_t*>(p.out);
-  acc_t* lse = static_cast<acc_t*>(p.lse);
+  if (direct) return;
   at::parallel_for(0, heads * R, 16, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> acc(Ev);
     for (int64_t x = begin; x < end; ++x) {
-      const int64_t bk = x / R, r = x % R, b = bk / Hkv, h = bk % Hkv * G + r / L, i = r % L;
-      acc_t mx = kNegInf;
-      for (int64_t sp = 0; sp < n_splits; ++sp) mx = nan_max(mx, part_m[(bk * n_splits + sp) * R + r]);
-      acc_t total = 0;
-      std::fill(acc.begin(), acc.end(), acc_t(0));
-      for (int64_t sp = 0; sp < n_splits; ++sp) {
-        const int64_t w = bk * n_splits + sp;
-        const acc_t ms = part_m[w * R + r];
-        if (ms == kNegInf) continue;  // a split whose keys the row may not see
-        const acc_t wt = Ops::expb(ms - mx);
-        total += part_l[w * R + r] * wt;
-        const acc_t* os = part_o.data() + (w * R + r) * Ev;
-        for (int64_t e = 0; e < Ev; ++e) acc[e] += os[e] * wt;
-      }
-      const acc_t inv = total > acc_t(0) ? acc_t(1) / total : acc_t(0);
-      scalar_t* orow = out + b * p.out_stride.b + h * p.out_stride.h + i * p.out_stride.row;
-      for (int64_t e = 0; e < Ev; ++e) orow[e * p.out_stride.col] = static_cast<scalar_t>(acc[e] * inv);
-      // -inf for a row that may see no key; NaN stays NaN (as the dense kernel)
-      lse[p.lse_index(b, h, i)] = total > acc_t(0) ? (mx + Ops::logb(total)) / unit : (total == total ? kNegInf : total);
+      const int64_t bk = x / R, r = x % R, w0 = bk * n_splits;
+      finish_row(bk, r, part_m.data() + w0 * R, part_l.data() + w0 * R, part_o.data() + w0 * R * Ev, n_splits,
+                 acc.data());
     }
   });
 }

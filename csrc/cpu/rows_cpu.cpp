@@ -210,65 +210,64 @@ __attribute__((target("avx512f"))) void widen_half_avx512(const uint16_t* src, i
   for (; i < n; ++i) dst[i] = bits_to_float(src[i], false);
 }
 
-// 64 columns of a value row as floats in w, the lanes of each register given
-// by m: float32 loaded, bfloat16 / float16 widened (bfloat16 by pairs of
-// columns: the even ones shifted up, the odd ones masked, one instruction
-// for 16 columns; even and odd columns of each 32 land in consecutive
-// registers, interleaved back on the way out).
+// 32 columns of a value row as floats in w[0], w[1], the lanes of each
+// register given by m: float32 loaded, bfloat16 / float16 widened (bfloat16
+// by pairs of columns: the even ones shifted up, the odd ones masked, one
+// instruction for 16 columns; the even columns land in w[0] and the odd ones
+// in w[1], interleaved back on the way out).
 template <int kKind>
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void value_quad(const void* row, int qd,
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void value_pair(const void* row, int pr,
                                                                                          const __mmask16* m, __m512* w) {
   if constexpr (kKind == 0) {
-    const float* f = static_cast<const float*>(row) + 64 * qd;
-    for (int x = 0; x < 4; ++x) w[x] = _mm512_maskz_loadu_ps(m[x], f + 16 * x);
+    const float* f = static_cast<const float*>(row) + 32 * pr;
+    w[0] = _mm512_maskz_loadu_ps(m[0], f);
+    w[1] = _mm512_maskz_loadu_ps(m[1], f + 16);
   } else {
-    const uint16_t* h = static_cast<const uint16_t*>(row) + 64 * qd;
-    for (int x = 0; x < 2; ++x) {
-      const __m512i b = _mm512_maskz_loadu_epi16(__mmask32(m[2 * x]) | __mmask32(m[2 * x + 1]) << 16, h + 32 * x);
-      if constexpr (kKind == 1) {
-        w[2 * x] = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
-        w[2 * x + 1] = _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
-      } else {
-        w[2 * x] = _mm512_cvtph_ps(_mm512_castsi512_si256(b));
-        w[2 * x + 1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(b, 1));
-      }
+    const uint16_t* h = static_cast<const uint16_t*>(row) + 32 * pr;
+    const __m512i b = _mm512_maskz_loadu_epi16(__mmask32(m[0]) | __mmask32(m[1]) << 16, h);
+    if constexpr (kKind == 1) {
+      w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+      w[1] = _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+    } else {
+      w[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(b));
+      w[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(b, 1));
     }
   }
 }
 
-// O (RB rows from o, ldo) += P (RB x nj, ldp) V (nj rows of v, ldv) over 64 NQ
-// columns (cols real), RB NQ <= 4: the RB x 64 NQ sums in 16 registers, each
-// in j order, added to O at the end. Each value row is read whole (up to 64
-// NQ columns), in address order, as key rows are (key_dot). Rows past rr
-// repeat the last real one (computed, never stored).
-template <int kKind, int RB, int NQ>
+// O (RB rows from o, ldo) += P (RB x nj, ldp) V (nj rows of v, ldv) over 32 NP
+// columns (cols real), RB NP <= 8: the RB x 32 NP sums in up to 16
+// registers, each in j order, added to O at the end. Each value row is read
+// whole (up to 32 NP columns), in address order, as key rows are (key_dot).
+// Rows past rr repeat the last real one (computed, never stored).
+template <int kKind, int RB, int NP>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const float* p, int64_t ldp, int64_t rr,
                                                                     int64_t nj, const char* v, int64_t ldv_bytes,
                                                                     int64_t cols, float* o, int64_t ldo) {
   const float* pr[RB];
   for (int r = 0; r < RB; ++r) pr[r] = p + std::min<int64_t>(r, rr - 1) * ldp;
-  __m512 acc[RB][4 * NQ];
+  __m512 acc[RB][2 * NP];
   for (int r = 0; r < RB; ++r)
-    for (int x = 0; x < 4 * NQ; ++x) acc[r][x] = _mm512_setzero_ps();
-  __mmask16 mk[4 * NQ];  // the real columns of each register
-  for (int x = 0; x < 4 * NQ; ++x) mk[x] = lanes(cols - 16 * x);
+    for (int x = 0; x < 2 * NP; ++x) acc[r][x] = _mm512_setzero_ps();
+  __mmask16 mk[2 * NP];  // the real columns of each register
+  for (int x = 0; x < 2 * NP; ++x) mk[x] = lanes(cols - 16 * x);
   for (int64_t j = 0; j < nj; ++j) {
     __m512 pb[RB];
     for (int r = 0; r < RB; ++r) pb[r] = _mm512_set1_ps(pr[r][j]);
-    for (int qd = 0; qd < NQ; ++qd) {
-      __m512 w[4];
-      value_quad<kKind>(v + j * ldv_bytes, qd, mk + 4 * qd, w);
+    for (int h = 0; h < NP; ++h) {
+      __m512 w[2];
+      value_pair<kKind>(v + j * ldv_bytes, h, mk + 2 * h, w);
       for (int r = 0; r < RB; ++r)
-        for (int x = 0; x < 4; ++x) acc[r][4 * qd + x] = _mm512_fmadd_ps(pb[r], w[x], acc[r][4 * qd + x]);
+        for (int x = 0; x < 2; ++x) acc[r][2 * h + x] = _mm512_fmadd_ps(pb[r], w[x], acc[r][2 * h + x]);
     }
   }
   // (no branch on rr: rows past it store under an empty mask, so that acc is
   // indexed by constants and stays in registers)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < RB; ++r) {
     const __mmask16 row = r < rr ? __mmask16(0xFFFF) : __mmask16(0);
 #pragma GCC unroll 8
-    for (int h = 0; h < 2 * NQ; ++h) {  // 32 columns at a time
+    for (int h = 0; h < NP; ++h) {  // 32 columns at a time
       __m512 lo = acc[r][2 * h], hi = acc[r][2 * h + 1];
       if constexpr (kKind == 1) {  // even / odd columns back to 0 .. 15 and 16 .. 31
         const __m512i il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -287,9 +286,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const floa
 
 // O (R x Ev) += P (R x n) V (n x Ev) by chunks of kValueKeys keys (L1-sized),
 // each read from memory once by the first rows' pass and from L1 by the
-// rest: 4 rows at a time with up to 64 columns, 2 with up to 128, else 1
-// row and 256 columns at a time; a last single row with up to 128 columns
-// alone.
+// rest: 8 rows at a time with up to 32 columns, 4 with up to 64, 2 with up
+// to 128, else 1 row and 256 columns at a time; a last single row alone,
+// over the columns it has.
 constexpr int64_t kValueKeys = 32;
 template <int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const float* p, int64_t R, int64_t n,
@@ -305,22 +304,23 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
       for (int64_t r0 = 0; r0 < R;) {
         const float* pr = p + r0 * ldp + j0;
         float* orow = o + r0 * ldo + c0;
-        if (R - r0 == 1 && cols <= 128) {  // one row: no work on copies of it
-          if (cols <= 64)
-            value_block<kKind, 1, 1>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
-          else
-            value_block<kKind, 1, 2>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
-          r0 += 1;
+        const int64_t rr = R - r0;
+        if (rr == 1 && cols <= 32) {  // one row: no work on copies of it
+          value_block<kKind, 1, 1>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
+        } else if (rr == 1 && cols <= 64) {
+          value_block<kKind, 1, 2>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
+        } else if (rr == 1 && cols <= 128) {
+          value_block<kKind, 1, 4>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
+        } else if (cols <= 32) {
+          value_block<kKind, 8, 1>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
         } else if (cols <= 64) {
-          value_block<kKind, 4, 1>(pr, ldp, R - r0, nj, vc, ldv_bytes, cols, orow, ldo);
-          r0 += 4;
+          value_block<kKind, 4, 2>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
         } else if (cols <= 128) {
-          value_block<kKind, 2, 2>(pr, ldp, R - r0, nj, vc, ldv_bytes, cols, orow, ldo);
-          r0 += 2;
+          value_block<kKind, 2, 4>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
         } else {
-          value_block<kKind, 1, 4>(pr, ldp, R - r0, nj, vc, ldv_bytes, cols, orow, ldo);
-          r0 += 1;
+          value_block<kKind, 1, 8>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
         }
+        r0 += rr == 1 ? 1 : cols <= 32 ? 8 : cols <= 64 ? 4 : cols <= 128 ? 2 : 1;
       }
     }
   }
