@@ -140,17 +140,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // one after the other: read row-interleaved, four key rows go at 7 GB/s on
 // one core where in order they go as fast as a plain sum, 19 (AMD EPYC,
 // float32, E = 128: bench/row_order.cpp; software prefetches helped neither
-// order).
-// Rows past rr and keys past nc repeat the last real one (read, never
-// stored).
+// order). Keys past nc repeat the last real one (read, never stored).
 template <int kKind, int RB>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const typename ScoreKind<kKind>::Q* q,
-                                                                    int64_t rr, int64_t E,
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const typename ScoreKind<kKind>::Q* q, int64_t E,
                                                                     const typename ScoreKind<kKind>::K* k, int64_t ldk,
                                                                     int64_t nc, float* s, int64_t lds) {
   constexpr int KB = 16 / RB;
   const typename ScoreKind<kKind>::Q* qr[RB];
-  for (int r = 0; r < RB; ++r) qr[r] = q + std::min<int64_t>(r, rr - 1) * E;
+  for (int r = 0; r < RB; ++r) qr[r] = q + r * E;
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t k0 = 0; k0 < nc; k0 += KB) {
     __m512 acc[16];
@@ -158,7 +155,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const type
     keys_dot<kKind, RB, KB>(acc, qr, k + k0 * ldk, ldk, nc - k0, E, std::make_integer_sequence<int, KB>{});
     const __m512 sums = sum16(acc);  // lane r KB + c: row r, key k0 + c
     const __mmask16 kc = lanes(nc - k0);
-    for (int r = 0; r < std::min<int64_t>(RB, rr); ++r) {  // row r's lanes down to 0, then stored
+    for (int r = 0; r < RB; ++r) {  // row r's lanes down to 0, then stored
       const __m512 row = r == 0 ? sums : _mm512_permutexvar_ps(_mm512_add_epi32(iota, _mm512_set1_epi32(r * KB)), sums);
       _mm512_mask_storeu_ps(s + r * lds + k0, KB == 16 ? kc : __mmask16(kc & ((1u << KB) - 1)), row);
     }
@@ -181,13 +178,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
       const auto* kc = k + c0 * ldk;
       float* sc = s + r0 * lds + c0;
       if (rr >= 4) {
-        score_block<kKind, 4>(qr, 4, E, kc, ldk, nc, sc, lds);
+        score_block<kKind, 4>(qr, E, kc, ldk, nc, sc, lds);
         r0 += 4;
       } else if (rr >= 2) {
-        score_block<kKind, 2>(qr, 2, E, kc, ldk, nc, sc, lds);
+        score_block<kKind, 2>(qr, E, kc, ldk, nc, sc, lds);
         r0 += 2;
       } else {
-        score_block<kKind, 1>(qr, 1, E, kc, ldk, nc, sc, lds);
+        score_block<kKind, 1>(qr, E, kc, ldk, nc, sc, lds);
         r0 += 1;
       }
     }
@@ -210,21 +207,21 @@ __attribute__((target("avx512f"))) void widen_half_avx512(const uint16_t* src, i
   for (; i < n; ++i) dst[i] = bits_to_float(src[i], false);
 }
 
-// 32 columns of a value row as floats in w[0], w[1], the lanes of each
-// register given by m: float32 loaded, bfloat16 / float16 widened (bfloat16
-// by pairs of columns: the even ones shifted up, the odd ones masked, one
-// instruction for 16 columns; the even columns land in w[0] and the odd ones
-// in w[1], interleaved back on the way out).
+// Columns 32 h .. 32 h + 31 of a value row as floats in w[0], w[1], the
+// lanes of each register given by m: float32 loaded, bfloat16 / float16
+// widened (bfloat16 by pairs of columns: the even ones shifted up, the odd
+// ones masked, one instruction for 16 columns; the even columns land in w[0]
+// and the odd ones in w[1], interleaved back on the way out).
 template <int kKind>
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void value_pair(const void* row, int pr,
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void value_pair(const void* row, int h,
                                                                                          const __mmask16* m, __m512* w) {
   if constexpr (kKind == 0) {
-    const float* f = static_cast<const float*>(row) + 32 * pr;
+    const float* f = static_cast<const float*>(row) + 32 * h;
     w[0] = _mm512_maskz_loadu_ps(m[0], f);
     w[1] = _mm512_maskz_loadu_ps(m[1], f + 16);
   } else {
-    const uint16_t* h = static_cast<const uint16_t*>(row) + 32 * pr;
-    const __m512i b = _mm512_maskz_loadu_epi16(__mmask32(m[0]) | __mmask32(m[1]) << 16, h);
+    const uint16_t* u = static_cast<const uint16_t*>(row) + 32 * h;
+    const __m512i b = _mm512_maskz_loadu_epi16(__mmask32(m[0]) | __mmask32(m[1]) << 16, u);
     if constexpr (kKind == 1) {
       w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
       w[1] = _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
@@ -305,22 +302,27 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
         const float* pr = p + r0 * ldp + j0;
         float* orow = o + r0 * ldo + c0;
         const int64_t rr = R - r0;
-        if (rr == 1 && cols <= 32) {  // one row: no work on copies of it
-          value_block<kKind, 1, 1>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
-        } else if (rr == 1 && cols <= 64) {
-          value_block<kKind, 1, 2>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
-        } else if (rr == 1 && cols <= 128) {
-          value_block<kKind, 1, 4>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
+        if (rr == 1 && cols <= 128) {  // one row: no work on copies of it
+          if (cols <= 32)
+            value_block<kKind, 1, 1>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
+          else if (cols <= 64)
+            value_block<kKind, 1, 2>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
+          else
+            value_block<kKind, 1, 4>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
+          r0 += 1;
         } else if (cols <= 32) {
           value_block<kKind, 8, 1>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
+          r0 += 8;
         } else if (cols <= 64) {
           value_block<kKind, 4, 2>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
+          r0 += 4;
         } else if (cols <= 128) {
           value_block<kKind, 2, 4>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
+          r0 += 2;
         } else {
           value_block<kKind, 1, 8>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
+          r0 += 1;
         }
-        r0 += rr == 1 ? 1 : cols <= 32 ? 8 : cols <= 64 ? 4 : cols <= 128 ? 2 : 1;
       }
     }
   }
