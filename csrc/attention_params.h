@@ -107,6 +107,13 @@ struct AttentionVariant {
   MHA_HOST_DEVICE bool changes_scores() const { return softcap > 0.0 || alibi != nullptr; }
 };
 
+// float32 products of the CUDA kernels: on the CUDA cores (float32 FMAs), or
+// on the tensor cores in TF32 (operands rounded to 10 mantissa bits), or as
+// 3xTF32 (each operand split into a TF32 part and a TF32 remainder, three
+// products summed: near float32 accuracy, as torch's own float32 attention
+// kernel computes on sm_80 and newer).
+enum class Fp32Math : uint8_t { kCudaCores, kTf32, kTf32x3 };
+
 struct AttentionFwdParams {
   const void* q = nullptr;   // (B, Hq, L, E)
   const void* k = nullptr;   // (B, Hkv, S, E)
@@ -126,6 +133,9 @@ struct AttentionFwdParams {
   // ldmatrix (launch.h sets it from MHA_EXT_CUDA_OPERANDS=scalar), so a first
   // GPU run can compare the two ways of loading the same fragments.
   bool scalar_operands = false;
+  // CUDA only: how float32 products run (launch.h: TF32 where torch allows
+  // TF32 matmuls, else 3xTF32; the CUDA cores with MHA_EXT_CUDA_FLOAT32).
+  Fp32Math fp32_math = Fp32Math::kCudaCores;
   DropoutParams dropout;
 
   // lse (and the CUDA backward's per-row buffers) of row i of (b, h) sit at

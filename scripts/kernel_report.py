@@ -110,7 +110,8 @@ def loop_counts(body):
         return out
 
     mma = sum("mma.sync" in ln for ln in body)
-    return dict(instructions=len(body), mma=mma, ldmatrix=sum(ln.startswith("ldmatrix") for ln in body),
+    return dict(instructions=len(body), mma=mma, mma_tf32=sum("mma.sync" in ln and ".tf32" in ln for ln in body),
+                ldmatrix=sum(ln.startswith("ldmatrix") for ln in body),
                 cp_async_16=sum(bool(re.match(r"(?:@!?%p\d+\s+)?cp\.async\.cg\.shared\.global.*, 16;", ln)) for ln in body),
                 global_loads=loads("global"), shared_loads=loads("shared"))
 

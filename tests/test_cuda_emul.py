@@ -467,13 +467,14 @@ def test_emul_padding_rows_and_batch_varying_mask(backend, dtype, is_causal):
     _assert_near_reference([out] + list(grads), [ref_out] + ref_grads, [eager_out] + eager_grads, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 4, 2, 50, 70, 64, 48), (1, 2, 1, 33, 80, 128, 128), (1, 1, 1, 20, 35, 256, 160)])
 def test_emul_scalar_operands_give_the_ldmatrix_results(backend, dtype, shape, monkeypatch):
     # MHA_EXT_CUDA_OPERANDS=scalar loads the same tensor-core fragments by
     # plain loads (the kernels' way before ldmatrix): the same results, bit
     # for bit where no atomic order enters, and held to the reference as the
-    # default path is. A first GPU run compares the two this way.
+    # default path is (float32: TF32 operands). A first GPU run compares the
+    # two this way.
     q, k, v = make(shape, dtype)
     gqa = shape[1] != shape[2]
     rng = torch.tensor([987654321, 4242], dtype=torch.long)
@@ -503,4 +504,50 @@ def test_emul_operands_setting_is_checked(backend, monkeypatch):
     q, k, v = make((1, 1, 1, 8, 8, 16, 16), torch.float16)
     monkeypatch.setenv("MHA_EXT_CUDA_OPERANDS", "fast")
     with pytest.raises((RuntimeError, ValueError), match='MHA_EXT_CUDA_OPERANDS must be "ldmatrix" or "scalar", got "fast"'):
+        backend.attention(q, k, v, None, 0.0, False, None, False)
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 2, 70, 45, 40, 72), (1, 2, 1, 33, 80, 128, 128)])
+def test_emul_float32_math_follows_torchs_tf32_setting(backend, shape, monkeypatch):
+    # float32 products run on the tensor cores: 3xTF32 by default (float32
+    # accuracy: the tolerance of the tests above), TF32 where torch allows
+    # TF32 matmuls (10 mantissa bits, as float16: within twice the error of
+    # plain eager PyTorch in float16, and measurably less exact than float32),
+    # and float32 FMAs with MHA_EXT_CUDA_FLOAT32=cuda-cores whatever torch allows.
+    q, k, v = make(shape, torch.float32)
+    gqa = shape[1] != shape[2]
+    go = torch.randn(shape[0], shape[1], shape[3], shape[6], dtype=torch.float64).float()
+    (ref_out, ref_grads), _ = references(q, k, v, go, is_causal=True, enable_gqa=gqa)
+    (_, _), (h_out, h_grads) = references(q.half(), k.half(), v.half(), go.half(), is_causal=True, enable_gqa=gqa)
+    refs, halves = [ref_out] + ref_grads, [h_out] + h_grads
+
+    def run(mode, precision):
+        monkeypatch.setenv("MHA_EXT_CUDA_FLOAT32", mode)
+        torch.backends.cuda.matmul.fp32_precision = precision
+        out, lse, _ = backend.attention(q, k, v, None, 0.0, True, None, gqa)
+        return [out] + list(_backward(backend, q, k, v, out, lse, go, is_causal=True, gqa=gqa)[:3])
+
+    before = torch.backends.cuda.matmul.fp32_precision
+    try:
+        results = {(m, pr): run(m, pr) for m in ("tensor-cores", "cuda-cores") for pr in ("ieee", "tf32")}
+        torch.backends.cuda.matmul.allow_tf32 = True  # the older switch selects TF32 too
+        monkeypatch.setenv("MHA_EXT_CUDA_FLOAT32", "tensor-cores")
+        out, lse, _ = backend.attention(q, k, v, None, 0.0, True, None, gqa)
+        assert torch.equal(out, results[("tensor-cores", "tf32")][0])
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+    for key in (("tensor-cores", "ieee"), ("cuda-cores", "ieee")):
+        _assert_near_reference(results[key], refs, refs, torch.float32)
+    for a, b in zip(results[("cuda-cores", "ieee")], results[("cuda-cores", "tf32")]):
+        assert torch.equal(a, b)
+    for a, r, h in zip(results[("tensor-cores", "tf32")], refs, halves):
+        scale = max(1.0, r.abs().max().item())
+        assert 1e-5 * scale < _err(a, r) <= 2.0 * _err(h, r), (_err(a, r), _err(h, r))
+
+
+def test_emul_float32_setting_is_checked(backend, monkeypatch):
+    q, k, v = make((1, 1, 1, 8, 8, 16, 16), torch.float32)
+    monkeypatch.setenv("MHA_EXT_CUDA_FLOAT32", "tf64")
+    with pytest.raises((RuntimeError, ValueError),
+                       match='MHA_EXT_CUDA_FLOAT32 must be "tensor-cores" or "cuda-cores", got "tf64"'):
         backend.attention(q, k, v, None, 0.0, False, None, False)

@@ -1,7 +1,7 @@
 """The PTX nvcc emits for sm_80 keeps the FlashAttention-2-class design of the
 CUDA kernels: in the main loop of the forward, the key-block backward and the
-deterministic dQ kernel (16-bit types, where the tensor cores run), tiles
-arrive by 16-byte cp.async copies, tensor-core operands come by ldmatrix, and,
+deterministic dQ kernel (16-bit types, and float32, where the tensor cores run),
+tiles arrive by 16-byte cp.async copies, tensor-core operands come by ldmatrix, and,
 apart from the plain-load path MHA_EXT_CUDA_OPERANDS=scalar selects, no operand
 is read from shared memory two bytes at a time. The design's
 regressions fail here, on a machine without a GPU (scripts/kernel_report.py
@@ -36,13 +36,15 @@ def default_loops(tmp_path_factory):
     return _loops(tmp_path_factory, False)
 
 
-CONFIGS = [(kind, dtype, d) for kind in ("fwd", "bwd", "dq") for dtype, d in (("f16", 64), ("bf16", 128))]
+CONFIGS = [(kind, dtype, d) for kind in ("fwd", "bwd", "dq") for dtype, d in (("f16", 64), ("bf16", 128), ("float", 64))]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["-".join(map(str, c)) for c in CONFIGS])
 def test_main_loop_keeps_async_copies_and_ldmatrix(loops, default_loops, config):
     for c in (loops[config], default_loops[config]):
         assert c["mma"] > 0, "no loop with tensor-core mma found"
+        if config[1] == "float":  # TF32 / 3xTF32 on the tensor cores
+            assert c["mma_tf32"] > 0, f"{config}: no TF32 mma in the main loop: {c}"
         assert c["cp_async_16"] > 0, f"{config}: no 16-byte cp.async in the main loop: {c}"
         assert c["ldmatrix"] > 0, f"{config}: no ldmatrix in the main loop: {c}"
     c = default_loops[config]
@@ -70,4 +72,4 @@ ret;
     (name, lines), = K.kernels(ptx).items()
     assert K.describe(name) == ("fwd", "f16", 64)
     c = K.loop_counts(K.main_loop(lines))
-    assert c == dict(instructions=7, mma=2, ldmatrix=1, cp_async_16=1, global_loads={16: 1}, shared_loads={2: 1})
+    assert c == dict(instructions=7, mma=2, mma_tf32=0, ldmatrix=1, cp_async_16=1, global_loads={16: 1}, shared_loads={2: 1})

@@ -123,8 +123,67 @@ MHA_UNROLL
     bf[r] = pack2(b.at(k0 + MmaLayout::b_row(lane, 2 * r), 8 * nt + MmaLayout::b_col(lane, 2 * r)),
                   b.at(k0 + MmaLayout::b_row(lane, 2 * r + 1), 8 * nt + MmaLayout::b_col(lane, 2 * r + 1)));
 }
+// float on the tensor cores (fp32 = TF32 or 3xTF32, mma.h's m16n8k8): A by
+// ldmatrix when stored by rows, B when stored by its columns, plain loads
+// otherwise; 3xTF32 splits x into big = tf32(x) and small = tf32(x - big)
+// and sums small * big + big * small + big * big (small * small, about
+// 2^-22 of the product, is left out).
+template <int NT>
+MHA_DEVICE void warp_mma_tf32(float (&acc)[NT][4], Tile2<float> a, Tile2<float> b, int K, int lane, bool scalar,
+                              Fp32Math fp32) {
+  // B by ldmatrix x4 covers two n-tiles; an odd NT (a single one) loads B by plain loads
+  constexpr int kStep = NT % 2 == 0 ? 2 : 1;
+  scalar = kScalarOperandsBuilt && scalar;
+  const bool x3 = fp32 == Fp32Math::kTf32x3;
+  const int g = lane / 4, t = lane % 4, r8 = lane % 8, m_lo = (lane / 8) % 2, m_hi = lane / 16;
+  // x's TF32 part into big, and (3xTF32) the remainder into small (0 where
+  // big is not finite, so that no inf - inf turns a product into NaN)
+  auto split = [x3](uint32_t x, uint32_t& big, uint32_t& small) {
+    const float f = tf32_value(x);
+    big = to_tf32(f);
+    const float rest = f - tf32_value(big);
+    small = x3 && rest - rest == 0.f ? to_tf32(rest) : 0u;
+  };
+MHA_NO_UNROLL
+  for (int k0 = 0; k0 < K; k0 += 8) {
+    uint32_t ar[4], a_big[4], a_small[4];  // a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4)
+    if (!scalar && a.cs == 1) {
+      ldmatrix_x4(ar, a.p + (r8 + 8 * m_lo) * a.rs + k0 + 4 * m_hi);
+    } else {
+MHA_UNROLL
+      for (int r = 0; r < 4; ++r) ar[r] = float_bits(a.at(g + 8 * (r & 1), k0 + t + 4 * (r >> 1)));
+    }
+MHA_UNROLL
+    for (int r = 0; r < 4; ++r) split(ar[r], a_big[r], a_small[r]);
+MHA_UNROLL
+    for (int nt = 0; nt < NT; nt += kStep) {
+      uint32_t br[4];  // b0, b1 of n-tile nt, then (kStep 2) of nt + 1
+      if (kStep == 2 && !scalar && b.rs == 1) {
+        ldmatrix_x4(br, b.p + (8 * nt + 8 * m_hi + r8) * b.cs + k0 + 4 * m_lo);
+      } else {
+MHA_UNROLL
+        for (int r = 0; r < 2 * kStep; ++r) br[r] = float_bits(b.at(k0 + t + 4 * (r & 1), 8 * (nt + (r >> 1)) + g));
+      }
+MHA_UNROLL
+      for (int h = 0; h < kStep; ++h) {
+        uint32_t b_big[2], b_small[2];
+        split(br[2 * h], b_big[0], b_small[0]);
+        split(br[2 * h + 1], b_big[1], b_small[1]);
+        if (x3) {
+          mma_m16n8k8_tf32(acc[nt + h], a_small, b_big);
+          mma_m16n8k8_tf32(acc[nt + h], a_big, b_small);
+        }
+        mma_m16n8k8_tf32(acc[nt + h], a_big, b_big);
+      }
+    }
+  }
+}
+
 template <typename T, int NT, typename A>
-MHA_DEVICE void warp_mma(A (&acc)[NT][4], Tile2<T> a, Tile2<T> b, int K, int lane, bool scalar) {
+MHA_DEVICE void warp_mma(A (&acc)[NT][4], Tile2<T> a, Tile2<T> b, int K, int lane, bool scalar, Fp32Math fp32) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (fp32 != Fp32Math::kCudaCores) return warp_mma_tf32(acc, a, b, K, lane, scalar, fp32);
+  }
   if constexpr (sizeof(T) == 2) {
     static_assert(NT % 2 == 0, "B fragments come by ldmatrix x4, two n-tiles at a time");
     scalar = kScalarOperandsBuilt && scalar;
@@ -494,7 +553,7 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
     A s[kNT][4];
     zero(s);
     // S = Q K^T (16-bit operands by ldmatrix: Q rows as A, K rows as B)
-    warp_mma<T>(s, Tile2<T>{q_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane, p.scalar_operands);
+    warp_mma<T>(s, Tile2<T>{q_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane, p.scalar_operands, p.fp32_math);
 
     // Scores in the softmax's units. An interior tile (interior_tile: every
     // row of the warp sees it whole) is only scaled; edge and diagonal tiles
@@ -583,7 +642,7 @@ MHA_UNROLL
       }
     } else {
       sync_warp();  // the warp's P rows are written
-      warp_mma<T>(o, Tile2<T>{p_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{v_s, kLd, 1}, kN, lane, false);
+      warp_mma<T>(o, Tile2<T>{p_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{v_s, kLd, 1}, kN, lane, p.scalar_operands, p.fp32_math);
     }
   });
 
@@ -795,8 +854,8 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
       A st[kNTw][4];
       zero(st);
       zero(dst);
-      warp_mma<T>(st, Tile2<T>{k_s + row0 * kLd, kLd, 1}, Tile2<T>{q_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar);
-      warp_mma<T>(dst, Tile2<T>{v_s + row0 * kLd, kLd, 1}, Tile2<T>{do_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar);
+      warp_mma<T>(st, Tile2<T>{k_s + row0 * kLd, kLd, 1}, Tile2<T>{q_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar, p.fp32_math);
+      warp_mma<T>(dst, Tile2<T>{v_s + row0 * kLd, kLd, 1}, Tile2<T>{do_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar, p.fp32_math);
       const bool interior = interior_tile(p, i0 + n0, i0 + n0 + 8 * kNTw - 1, j0 + row0, j0 + row0 + 15);
       const uint32_t keep =
           dropout_tile_bits<kNTw, true>(p, key, b, h, j0 + row0 + MmaLayout::c_row(lane, 0), i0 + n0, lane);
@@ -813,7 +872,7 @@ MHA_UNROLL
     }
     sync_tile();
     // dV += P^T dO
-    warp_mma<T>(dv, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{do_s + c_base, kLd, 1}, kB, lane, scalar);
+    warp_mma<T>(dv, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{do_s + c_base, kLd, 1}, kB, lane, scalar, p.fp32_math);
     sync_tile();  // P^T read before dS^T overwrites it
     if (has_cols) {
 MHA_UNROLL
@@ -824,7 +883,7 @@ MHA_UNROLL
     }
     sync_tile();
     // dK += dS^T Q
-    warp_mma<T>(dk, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane, scalar);
+    warp_mma<T>(dk, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane, scalar, p.fp32_math);
 
     if (dq_g != nullptr) {
       sync_threads();  // every warp's dS^T rows are written
@@ -832,7 +891,7 @@ MHA_UNROLL
       for (int c0 = c_base; c0 < c_base + kCols; c0 += 8 * kChunk) {
         A dqa[kChunk][4];
         zero(dqa);
-        warp_mma<T>(dqa, Tile2<T>{t_s + row0, 1, kLdP}, Tile2<T>{k_s + c0, kLd, 1}, kB, lane, scalar);
+        warp_mma<T>(dqa, Tile2<T>{t_s + row0, 1, kLdP}, Tile2<T>{k_s + c0, kLd, 1}, kB, lane, scalar, p.fp32_math);
 MHA_UNROLL
         for (int t = 0; t < kChunk; ++t)
 MHA_UNROLL
@@ -922,8 +981,8 @@ MHA_UNROLL
       A s[kNTw][4], dp[kNTw][4];
       zero(s);
       zero(dp);
-      warp_mma<T>(s, Tile2<T>{q_s + row0 * kLd, kLd, 1}, Tile2<T>{k_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar);
-      warp_mma<T>(dp, Tile2<T>{do_s + row0 * kLd, kLd, 1}, Tile2<T>{v_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar);
+      warp_mma<T>(s, Tile2<T>{q_s + row0 * kLd, kLd, 1}, Tile2<T>{k_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar, p.fp32_math);
+      warp_mma<T>(dp, Tile2<T>{do_s + row0 * kLd, kLd, 1}, Tile2<T>{v_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar, p.fp32_math);
       const bool interior = interior_tile(p, i0 + row0, i0 + row0 + 15, j0 + n0, j0 + n0 + 8 * kNTw - 1);
       const uint32_t keep =
           dropout_tile_bits<kNTw, false>(p, key, b, h, i0 + row0 + MmaLayout::c_row(lane, 0), j0 + n0, lane);
@@ -945,7 +1004,7 @@ MHA_UNROLL
       sync_warp();
     }
     // dQ += dS K
-    warp_mma<T>(dq, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{k_s + c_base, kLd, 1}, kB, lane, scalar);
+    warp_mma<T>(dq, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{k_s + c_base, kLd, 1}, kB, lane, scalar, p.fp32_math);
   });
 
   T* dq_g = static_cast<T*>(p.grad_q) + b * p.grad_q_stride.b + h * p.grad_q_stride.h;

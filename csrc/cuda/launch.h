@@ -8,6 +8,8 @@
 
 #include "attention_kernels.h"
 
+#include <ATen/Context.h>
+
 #include <algorithm>
 #include <cstddef>
 #include <cstdlib>
@@ -105,10 +107,27 @@ inline bool scalar_operands_requested() {
                               "\"");
 }
 
+// How float32 products run, read at each launch: MHA_EXT_CUDA_FLOAT32 unset
+// or "tensor-cores": TF32 where torch allows TF32 matmuls
+// (torch.backends.cuda.matmul.fp32_precision == "tf32", which allow_tf32 and
+// set_float32_matmul_precision("high") set), else 3xTF32; "cuda-cores":
+// float32 FMAs (the kernels' way before the tensor cores).
+inline Fp32Math fp32_math_requested() {
+  const char* v = std::getenv("MHA_EXT_CUDA_FLOAT32");
+  if (v != nullptr && std::string(v) == "cuda-cores") return Fp32Math::kCudaCores;
+  if (v != nullptr && std::string(v) != "tensor-cores")
+    throw std::invalid_argument(std::string("MHA_EXT_CUDA_FLOAT32 must be \"tensor-cores\" or \"cuda-cores\", got \"") +
+                                v + "\"");
+  const bool tf32 = at::globalContext().float32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL) ==
+                    at::Float32Precision::TF32;
+  return tf32 ? Fp32Math::kTf32 : Fp32Math::kTf32x3;
+}
+
 template <typename T>
 auto launch_attention_fwd(const AttentionFwdParams& params, Stream stream) {
   AttentionFwdParams p = params;
   p.scalar_operands = scalar_operands_requested();
+  p.fp32_math = fp32_math_requested();
   const int d = padded_head_dim(p.head_dim, p.head_dim_v);
   return MHA_HEAD_DIM_SWITCH(d, [&] {
     using C = TileConfig<T, kHeadDim>;
@@ -128,6 +147,7 @@ template <typename T, typename Check>
 void launch_attention_bwd(const AttentionBwdParams& params, Stream stream, Check&& check) {
   AttentionBwdParams p = params;
   p.scalar_operands = scalar_operands_requested();
+  p.fp32_math = fp32_math_requested();
   constexpr int kDotWarps = 4;
   const unsigned bh = static_cast<unsigned>(p.batch * p.heads_q);
   check(launch_kernel(attention_bwd_dot_kernel<T>, dim3(bh, row_blocks(p.len_q, kDotRows)),

@@ -26,6 +26,21 @@
 // with .trans as the B fragments of columns 0-7 (registers 0, 1) and 8-15
 // (registers 2, 3). The emulation gathers the lanes' row addresses and reads
 // each element from there; a misaligned or non-shared address throws.
+//
+// float32 on the tensor cores (TF32, 10 mantissa bits):
+//   mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32
+// D (16 x 8, f32) = A (16 x 8) * B (8 x 8) + C, one tf32 per register:
+//   A, a0..a3: row g for a0, a2 and g + 8 for a1, a3; column t for a0, a1
+//       and t + 4 for a2, a3
+//   B, b0, b1: row (k) t for b0 and t + 4 for b1; column (n) g
+//   C, D as for m16n8k16.
+// to_tf32 is cvt.rna.tf32.f32 (nearest, ties away from zero; the low 13 bits
+// zero). An ldmatrix x4 of 32-bit elements moves each 8 x 4 block as an 8 x 8
+// block of 16-bit halves, so lane 4 g + t receives element (g, t) of each:
+// blocks (rows 0-7, k 0-3), (8-15, 0-3), (0-7, 4-7), (8-15, 4-7) of a
+// row-major A are a0..a3, and blocks (n 0-7, k 0-3), (n 0-7, k 4-7) of a B
+// stored by its columns are b0, b1. The emulation reads tf32 operands with
+// their low 13 bits cleared and multiplies them exactly in float.
 #pragma once
 
 #include "numeric.h"
@@ -75,6 +90,25 @@ MHA_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32
 #error "mha_ext's CUDA kernels need sm_80 or newer (mma.sync m16n8k16 with bfloat16): set TORCH_CUDA_ARCH_LIST to 8.0 or above"
 #endif
 }
+
+// d += a * b on the tensor cores in TF32 (operands from to_tf32).
+MHA_DEVICE void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+MHA_DEVICE uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+MHA_DEVICE float tf32_value(uint32_t bits) { return __uint_as_float(bits); }
+MHA_DEVICE uint32_t float_bits(float x) { return __float_as_uint(x); }
 
 MHA_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -133,6 +167,48 @@ inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (
       const int row = MmaLayout::c_row(lane, e), col = MmaLayout::c_col(lane, e);
       float acc = d[e];
       for (int k = 0; k < 16; ++k) acc += a_at(row, k) * b_at(k, col);
+      result[e] = acc;
+    }
+  });
+  for (int e = 0; e < 4; ++e) d[e] = result[e];
+}
+
+inline float tf32_value(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint32_t float_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+// cvt.rna.tf32.f32: half an ulp of tf32 added to the magnitude, then the low
+// 13 bits cleared (ties away from zero; the largest floats round to
+// infinity); infinities and NaN keep their class.
+inline uint32_t to_tf32(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u) return (u & 0x1fffu) ? (u | 0x00400000u) & 0xffffe000u : u;
+  return (u + 0x1000u) & 0xffffe000u;
+}
+
+inline void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  const int lane = emul::linear_tid() % kWarpSize;
+  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  float result[4];
+  emul::warp_exchange_words(mine, 6, [&](auto&& word_of) {
+    // the hardware reads 19 bits of each operand register
+    auto value = [](uint32_t w) { return tf32_value(w & 0xffffe000u); };
+    // A (row, col): lane 4 (row % 8) + col % 4, register [row >= 8] + 2 [col >= 4]
+    auto a_at = [&](int row, int col) { return value(word_of(4 * (row % 8) + col % 4, (row >= 8) + 2 * (col >= 4))); };
+    // B (k, n): lane 4 n + k % 4, register 4 + [k >= 4]
+    auto b_at = [&](int k, int n) { return value(word_of(4 * n + k % 4, 4 + (k >= 4))); };
+    for (int e = 0; e < 4; ++e) {
+      const int row = MmaLayout::c_row(lane, e), col = MmaLayout::c_col(lane, e);
+      float acc = d[e];
+      for (int k = 0; k < 8; ++k) acc += a_at(row, k) * b_at(k, col);
       result[e] = acc;
     }
   });

@@ -27,6 +27,7 @@ MHA_PTX_INSTANTIATE(double, 256)
 #else  // the configurations the PTX test reads
 MHA_PTX_INSTANTIATE(f16, 64)
 MHA_PTX_INSTANTIATE(bf16, 128)
+MHA_PTX_INSTANTIATE(float, 64)
 #endif
 
 }  // namespace mha_ext::device

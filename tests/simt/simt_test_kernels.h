@@ -163,6 +163,43 @@ MHA_KERNEL mma_from_ldmatrix(const T16* a, const T16* b, const float* c, float* 
   }
 }
 
+// D (16 x 16) = A (16 x 8) B (8 x 16, k by n) + C in TF32, the operands by
+// ldmatrix x4 of 32-bit elements from shared tiles with 16-byte rows padded
+// to 12 floats: A by rows (lane l gives row (l % 8) + 8 ((l / 8) % 2) at
+// column 4 (l / 16): registers a0..a3), B stored by its columns (b_t, n by k;
+// lane l gives column n = (l % 8) + 8 (l / 16) at k = 4 ((l / 8) % 2):
+// registers b0, b1 of columns 0-7, then of 8-15). Values through to_tf32.
+MHA_KERNEL mma_tf32_from_ldmatrix(const float* a, const float* b_t, const float* c, float* d) {
+  constexpr int kLd = 12;
+  float* s = dynamic_shared<float>();
+  const int lane = static_cast<int>(thread_idx().x);
+  for (int e = lane; e < 128; e += kWarpSize) {
+    s[(e / 8) * kLd + e % 8] = a[e];
+    s[16 * kLd + (e / 8) * kLd + e % 8] = b_t[e];
+  }
+  sync_threads();
+  uint32_t af[4], bt[4];
+  ldmatrix_x4(af, s + ((lane % 8) + 8 * ((lane / 8) % 2)) * kLd + 4 * (lane / 16));
+  ldmatrix_x4(bt, s + 16 * kLd + ((lane % 8) + 8 * (lane / 16)) * kLd + 4 * ((lane / 8) % 2));
+  for (int r = 0; r < 4; ++r) {
+    af[r] = to_tf32(tf32_value(af[r]));
+    bt[r] = to_tf32(tf32_value(bt[r]));
+  }
+  for (int half = 0; half < 2; ++half) {
+    const uint32_t bf[2] = {bt[2 * half], bt[2 * half + 1]};
+    float acc[4];
+    for (int e = 0; e < 4; ++e) acc[e] = c[MmaLayout::c_row(lane, e) * 16 + 8 * half + MmaLayout::c_col(lane, e)];
+    mma_m16n8k8_tf32(acc, af, bf);
+    for (int e = 0; e < 4; ++e) d[MmaLayout::c_row(lane, e) * 16 + 8 * half + MmaLayout::c_col(lane, e)] = acc[e];
+  }
+}
+
+// out[i] = the bits of to_tf32(in[i]), one element per thread.
+MHA_KERNEL round_tf32(const float* in, uint32_t* out, int n) {
+  const int i = static_cast<int>(thread_idx().x);
+  if (i < n) out[i] = to_tf32(in[i]);
+}
+
 // Instantiated here so that nvcc compiles both (tests/test_simt_nvcc.py).
 template MHA_KERNEL mma_tile<f16>(const f16*, const f16*, const float*, float*);
 template MHA_KERNEL mma_tile<bf16>(const bf16*, const bf16*, const float*, float*);

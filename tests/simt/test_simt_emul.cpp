@@ -10,7 +10,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -223,6 +225,103 @@ void check_mma_from_ldmatrix() {
 
 TEST(SimtEmulation, MmaFromLdmatrixHalf) { check_mma_from_ldmatrix<mha_ext::simt::f16>(); }
 TEST(SimtEmulation, MmaFromLdmatrixBFloat16) { check_mma_from_ldmatrix<mha_ext::simt::bf16>(); }
+
+// ---------------------------------------------------------------------------
+// TF32: mma.m16n8k8 with .tf32 A and B, from the PTX ISA's table (A: row
+// groupID for a0, a2 and groupID + 8 for a1, a3, column threadID_in_group
+// for a0, a1 and + 4 for a2, a3; B: row threadID_in_group for b0 and + 4
+// for b1, column groupID; C as for m16n8k16), and cvt.rna.tf32.f32.
+
+struct PtxMmaTf32 {
+  static int a_row(int lane, int i) { return (i == 0 || i == 2) ? (lane >> 2) : (lane >> 2) + 8; }
+  static int a_col(int lane, int i) { return i < 2 ? lane % 4 : lane % 4 + 4; }
+  static int b_row(int lane, int i) { return i == 0 ? lane % 4 : lane % 4 + 4; }
+  static int b_col(int lane, int) { return lane >> 2; }
+};
+
+uint32_t bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+// values with at most 10 mantissa bits: exact in TF32
+float tf32_exact(int i, int mod, int off, float div) { return static_cast<float>((i * 37) % mod - off) / div; }
+
+TEST(SimtEmulation, Tf32MmaComputesThePtxTablesProduct) {
+  std::vector<float> a(128), b(64), d(128, 0.f);
+  for (int i = 0; i < 128; ++i) a[i] = tf32_exact(i, 23, 11, 8.f);
+  for (int i = 0; i < 64; ++i) b[i] = tf32_exact(i, 19, 9, 4.f);
+  launch(dim3(1), dim3(32), 0, [&] {
+    const int lane = static_cast<int>(mha_ext::simt::thread_idx().x);
+    uint32_t af[4], bf[2];
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int i = 0; i < 4; ++i) af[i] = bits(a[PtxMmaTf32::a_row(lane, i) * 8 + PtxMmaTf32::a_col(lane, i)]);
+    for (int i = 0; i < 2; ++i) bf[i] = bits(b[PtxMmaTf32::b_row(lane, i) * 8 + PtxMmaTf32::b_col(lane, i)]);
+    mha_ext::simt::mma_m16n8k8_tf32(acc, af, bf);
+    for (int e = 0; e < 4; ++e) d[PtxMma::c_row(lane, e) * 8 + PtxMma::c_col(lane, e)] = acc[e];
+  });
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 8; ++n) {
+      double want = 0;
+      for (int k = 0; k < 8; ++k) want += double(a[m * 8 + k]) * double(b[k * 8 + n]);
+      EXPECT_NEAR(d[m * 8 + n], want, 1e-4) << m << " " << n;
+    }
+}
+
+// The low 13 bits of a TF32 operand take no part: 1 + 2^-20 multiplies as 1.
+TEST(SimtEmulation, Tf32MmaReadsNineteenBits) {
+  float d0 = 0.f;
+  launch(dim3(1), dim3(32), 0, [&] {
+    const int lane = static_cast<int>(mha_ext::simt::thread_idx().x);
+    const uint32_t one_plus = bits(1.f + std::ldexp(1.f, -20));
+    // A = e_0 e_0^T-ish: only a0 of lane 0 (row 0, k 0) is nonzero; B: only b0 of lane 0 (k 0, n 0)
+    uint32_t af[4] = {lane == 0 ? one_plus : 0u, 0u, 0u, 0u}, bf[2] = {lane == 0 ? one_plus : 0u, 0u};
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    mha_ext::simt::mma_m16n8k8_tf32(acc, af, bf);
+    if (lane == 0) d0 = acc[0];
+  });
+  EXPECT_EQ(d0, 1.f);
+}
+
+TEST(SimtEmulation, Tf32RoundsToNearestTiesAwayFromZero) {
+  const float u = std::ldexp(1.f, -10);  // TF32's ulp at 1
+  const std::vector<float> in = {1.f + u / 2,                        // a tie: away from zero
+                                 -(1.f + u / 2),
+                                 1.f + 3 * u / 2,                    // a tie above an odd last bit
+                                 1.f + u / 2 - std::ldexp(1.f, -23),  // below the tie
+                                 1.f + u / 2 + std::ldexp(1.f, -23),  // above it
+                                 std::numeric_limits<float>::max(),   // rounds up past the largest
+                                 std::numeric_limits<float>::infinity(), 0.f};
+  const std::vector<float> want = {1.f + u, -(1.f + u), 1.f + 2 * u, 1.f, 1.f + u,
+                                   std::numeric_limits<float>::infinity(), std::numeric_limits<float>::infinity(), 0.f};
+  std::vector<uint32_t> out(in.size() + 1);
+  std::vector<float> with_nan = in;
+  with_nan.push_back(std::numeric_limits<float>::quiet_NaN());
+  launch(dim3(1), dim3(32), 0,
+         [&] { simt_tests::round_tf32(with_nan.data(), out.data(), static_cast<int>(with_nan.size())); });
+  for (size_t i = 0; i < in.size(); ++i) EXPECT_EQ(out[i], bits(want[i])) << i;
+  float nan_out;
+  std::memcpy(&nan_out, &out.back(), 4);
+  EXPECT_TRUE(std::isnan(nan_out));
+}
+
+// ldmatrix of 32-bit elements feeds the TF32 mma: A by rows and B by its
+// columns give the plain product.
+TEST(SimtEmulation, Tf32MmaFromLdmatrix) {
+  std::vector<float> a(128), b_t(128), c(256), d(256, 0.f);
+  for (int i = 0; i < 128; ++i) a[i] = tf32_exact(i, 23, 11, 8.f);
+  for (int i = 0; i < 128; ++i) b_t[i] = tf32_exact(i + 5, 19, 9, 4.f);
+  for (int i = 0; i < 256; ++i) c[i] = static_cast<float>(i % 5) - 2.f;
+  launch(dim3(1), dim3(32), 32 * 12 * sizeof(float),
+         [&] { simt_tests::mma_tf32_from_ldmatrix(a.data(), b_t.data(), c.data(), d.data()); });
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 16; ++n) {
+      double want = c[m * 16 + n];
+      for (int k = 0; k < 8; ++k) want += double(a[m * 8 + k]) * double(b_t[n * 8 + k]);
+      EXPECT_NEAR(d[m * 16 + n], want, 1e-4) << "m " << m << " n " << n;
+    }
+}
 
 // ---------------------------------------------------------------------------
 // cp.async: data lands at the wait of its group, for other threads after a barrier.
