@@ -128,6 +128,23 @@ MHA_UNROLL
 // otherwise; 3xTF32 splits x into big = tf32(x) and small = tf32(x - big)
 // and sums small * big + big * small + big * big (small * small, about
 // 2^-22 of the product, is left out).
+// x's TF32 part into big, and (3xTF32) the remainder into small (0 where
+// big is not finite, so that no inf - inf turns a product into NaN)
+MHA_DEVICE void tf32_split(float f, bool x3, uint32_t& big, uint32_t& small) {
+  big = to_tf32(f);
+  const float rest = f - tf32_value(big);
+  small = x3 && rest - rest == 0.f ? to_tf32(rest) : 0u;
+}
+// acc += A B from the split operands: small * big + big * small (3xTF32) + big * big
+MHA_DEVICE void mma_tf32_terms(float (&acc)[4], const uint32_t (&a_big)[4], const uint32_t (&a_small)[4],
+                               const uint32_t (&b_big)[2], const uint32_t (&b_small)[2], bool x3) {
+  if (x3) {
+    mma_m16n8k8_tf32(acc, a_small, b_big);
+    mma_m16n8k8_tf32(acc, a_big, b_small);
+  }
+  mma_m16n8k8_tf32(acc, a_big, b_big);
+}
+
 template <int NT>
 MHA_DEVICE void warp_mma_tf32(float (&acc)[NT][4], Tile2<float> a, Tile2<float> b, int K, int lane, bool scalar,
                               Fp32Math fp32) {
@@ -136,14 +153,6 @@ MHA_DEVICE void warp_mma_tf32(float (&acc)[NT][4], Tile2<float> a, Tile2<float> 
   scalar = kScalarOperandsBuilt && scalar;
   const bool x3 = fp32 == Fp32Math::kTf32x3;
   const int g = lane / 4, t = lane % 4, r8 = lane % 8, m_lo = (lane / 8) % 2, m_hi = lane / 16;
-  // x's TF32 part into big, and (3xTF32) the remainder into small (0 where
-  // big is not finite, so that no inf - inf turns a product into NaN)
-  auto split = [x3](uint32_t x, uint32_t& big, uint32_t& small) {
-    const float f = tf32_value(x);
-    big = to_tf32(f);
-    const float rest = f - tf32_value(big);
-    small = x3 && rest - rest == 0.f ? to_tf32(rest) : 0u;
-  };
 MHA_NO_UNROLL
   for (int k0 = 0; k0 < K; k0 += 8) {
     uint32_t ar[4], a_big[4], a_small[4];  // a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4)
@@ -154,7 +163,7 @@ MHA_UNROLL
       for (int r = 0; r < 4; ++r) ar[r] = float_bits(a.at(g + 8 * (r & 1), k0 + t + 4 * (r >> 1)));
     }
 MHA_UNROLL
-    for (int r = 0; r < 4; ++r) split(ar[r], a_big[r], a_small[r]);
+    for (int r = 0; r < 4; ++r) tf32_split(tf32_value(ar[r]), x3, a_big[r], a_small[r]);
 MHA_UNROLL
     for (int nt = 0; nt < NT; nt += kStep) {
       uint32_t br[4];  // b0, b1 of n-tile nt, then (kStep 2) of nt + 1
@@ -167,13 +176,9 @@ MHA_UNROLL
 MHA_UNROLL
       for (int h = 0; h < kStep; ++h) {
         uint32_t b_big[2], b_small[2];
-        split(br[2 * h], b_big[0], b_small[0]);
-        split(br[2 * h + 1], b_big[1], b_small[1]);
-        if (x3) {
-          mma_m16n8k8_tf32(acc[nt + h], a_small, b_big);
-          mma_m16n8k8_tf32(acc[nt + h], a_big, b_small);
-        }
-        mma_m16n8k8_tf32(acc[nt + h], a_big, b_big);
+        tf32_split(tf32_value(br[2 * h]), x3, b_big[0], b_small[0]);
+        tf32_split(tf32_value(br[2 * h + 1]), x3, b_big[1], b_small[1]);
+        mma_tf32_terms(acc[nt + h], a_big, a_small, b_big, b_small, x3);
       }
     }
   }
@@ -232,6 +237,34 @@ MHA_UNROLL
         acc[nt][2] += a1 * b0;
         acc[nt][3] += a1 * b1;
       }
+    }
+  }
+}
+
+// O (16 x 8 OT) += P V for float on the tensor cores, P (16 x 8 KT) in the C
+// fragments of S = Q K^T and V (8 KT keys x 8 OT) by rows in shared memory.
+// A lane holds P at keys 2t, 2t + 1 of each 8 (t = lane % 4) where TF32's A
+// fragment wants k = t and t + 4; the sum over keys does not depend on their
+// order, so k = t stands for key 2t and k = t + 4 for key 2t + 1, in P's
+// fragment (c0 -> a0, c2 -> a1, c1 -> a2, c3 -> a3: no shuffles) and in V's
+// rows alike (b0 from key 2t, b1 from key 2t + 1, by plain loads; with the
+// 4-float row padding the 32 lanes hit 32 banks).
+template <int KT, int OT>
+MHA_DEVICE void pv_tf32(float (&o)[OT][4], const float (&pf)[KT][4], const float* v_s, int ld, int lane, bool x3) {
+  const int g = lane / 4, t = lane % 4;
+MHA_UNROLL
+  for (int kt = 0; kt < KT; ++kt) {
+    uint32_t a_big[4], a_small[4];
+    const float a[4] = {pf[kt][0], pf[kt][2], pf[kt][1], pf[kt][3]};
+MHA_UNROLL
+    for (int r = 0; r < 4; ++r) tf32_split(a[r], x3, a_big[r], a_small[r]);
+    const float* v0 = v_s + (8 * kt + 2 * t) * ld + g;
+MHA_UNROLL
+    for (int ot = 0; ot < OT; ++ot) {
+      uint32_t b_big[2], b_small[2];
+      tf32_split(v0[8 * ot], x3, b_big[0], b_small[0]);
+      tf32_split(v0[ld + 8 * ot], x3, b_big[1], b_small[1]);
+      mma_tf32_terms(o[ot], a_big, a_small, b_big, b_small, x3);
     }
   }
 }
@@ -499,7 +532,9 @@ MHA_DEVICE void stream_tiles(int64_t first, int64_t end, int64_t step, Issue&& i
 // kLd)), and for float / double P (kBlockM x kLdP). 16-bit types: the Q, K
 // and V operands come from shared memory by ldmatrix (V transposed), and P
 // stays in registers: the C fragments of S = Q K^T, exponentiated, are the A
-// fragments of O += P V.
+// fragments of O += P V. float on the tensor cores (TF32 / 3xTF32): Q and K
+// by ldmatrix, at head dim 64 P in registers as well (pv_tf32), V by plain
+// loads.
 template <typename T, int kHeadDim>
 MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   using A = typename AccOf<T>::type;
@@ -525,6 +560,10 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   const A rescale = static_cast<A>(p.dropout.rescale);
   const A scale = static_cast<A>(p.scale);
   const DropoutKey key = dropout_key(p.dropout);
+  // float on the tensor cores keeps P in registers too (pv_tf32) at head dim
+  // 64 (at 128 and 256 the unrolled P V spilled: 16 and 52 bytes on sm_80);
+  // otherwise, and on the CUDA cores (and double), P goes through p_s
+  const bool p_in_registers = std::is_same_v<T, float> && kHeadDim <= 64 && p.fp32_math != Fp32Math::kCudaCores;
 
   load_tile(q_s, kLd, kM, kHeadDim, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row,
             p.q_stride.col, i0, L, p.head_dim);
@@ -602,7 +641,7 @@ MHA_UNROLL
           p0 = (keep >> (4 * t + e)) & 1u ? p0 * rescale : A(0);
           p1 = (keep >> (4 * t + e + 1)) & 1u ? p1 * rescale : A(0);
         }
-        if constexpr (kPInRegisters) {
+        if (kPInRegisters || p_in_registers) {
           s[t][e] = p0;
           s[t][e + 1] = p1;
         } else {
@@ -640,6 +679,8 @@ MHA_UNROLL
           mma_m16n8k16<T>(o[ot + 1], pa, b1);
         }
       }
+    } else if (p_in_registers) {
+      if constexpr (std::is_same_v<T, float>) pv_tf32(o, s, v_s, kLd, lane, p.fp32_math == Fp32Math::kTf32x3);
     } else {
       sync_warp();  // the warp's P rows are written
       warp_mma<T>(o, Tile2<T>{p_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{v_s, kLd, 1}, kN, lane, p.scalar_operands, p.fp32_math);
