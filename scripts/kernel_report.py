@@ -144,6 +144,8 @@ def shared_and_threads(tmp):
                 os.path.join(ROOT, "csrc", "cuda", "attention_kernels.h"))
         f.write("template <typename T, int D> void show(const char* n) {\n  using C = TileConfig<T, D>;\n"
                 '  printf("fwd %s %d %d %d\\n", n, D, 32 * C::kFwdWarps, C::kFwdSharedBytes);\n'
+                '  if (C::kFwdWideWarps != C::kFwdWarps)\n'
+                '    printf("fwd128 %s %d %d %d\\n", n, D, 32 * C::kFwdWideWarps, C::fwd_shared_bytes(C::kFwdWideWarps));\n'
                 '  printf("bwd %s %d %d %d\\n", n, D, 32 * C::kBwdWarps, C::kBwdSharedBytes);\n'
                 '  printf("dq %s %d %d %d\\n", n, D, 32 * C::kBwdWarps, C::kBwdSharedBytes);\n}\nint main() {\n')
         for t, n in (("f16", "f16"), ("bf16", "bf16"), ("float", "float"), ("double", "double")):
@@ -202,13 +204,16 @@ def main():
     rows = ["| kernel | threads | shared KiB | registers sm_80 / sm_90 | spill stores (bytes) | warps / SM sm_80 / sm_90 |",
             "|---|---|---|---|---|---|"]
     for name in sorted(figs["sm_80"], key=lambda n: (describe(n)[0], describe(n)[1], describe(n)[2])):
-        key = describe(name)
-        threads, smem = tiles[key]
-        r80, s80 = figs["sm_80"][name]
-        r90, s90 = figs["sm_90"][name]
-        spills = "0" if s80 == s90 == 0 else f"{s80} / {s90}"
-        rows.append(f"| {key[0]} {key[1]} {key[2]} | {threads} | {smem / 1024:.1f} | {r80} / {r90} | {spills} | "
-                    f"{warps_per_sm('sm_80', r80, threads, smem)} / {warps_per_sm('sm_90', r90, threads, smem)} |")
+        base = describe(name)
+        # the forward also runs with 128-row tiles (16-bit types): the same kernel, more threads
+        wide = ("fwd128",) + base[1:]
+        for key in [base] + ([wide] if base[0] == "fwd" and wide in tiles else []):
+            threads, smem = tiles[key]
+            r80, s80 = figs["sm_80"][name]
+            r90, s90 = figs["sm_90"][name]
+            spills = "0" if s80 == s90 == 0 else f"{s80} / {s90}"
+            rows.append(f"| {key[0]} {key[1]} {key[2]} | {threads} | {smem / 1024:.1f} | {r80} / {r90} | {spills} | "
+                        f"{warps_per_sm('sm_80', r80, threads, smem)} / {warps_per_sm('sm_90', r90, threads, smem)} |")
     print("\n".join(rows + ["", "Main loops, sm_80 PTX without the plain-load operand path (static counts):", ""] +
                     ptx_table(ptx)))
 

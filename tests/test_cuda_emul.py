@@ -551,3 +551,44 @@ def test_emul_float32_setting_is_checked(backend, monkeypatch):
     with pytest.raises((RuntimeError, ValueError),
                        match='MHA_EXT_CUDA_FLOAT32 must be "tensor-cores" or "cuda-cores", got "tf64"'):
         backend.attention(q, k, v, None, 0.0, False, None, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2, 1, 150, 97, 64, 48), (2, 2, 2, 130, 140, 128, 128), (1, 1, 1, 129, 70, 200, 256)])
+def test_emul_forward_rows_64_and_128_are_bit_identical(backend, dtype, shape, monkeypatch):
+    # MHA_EXT_CUDA_FWD_ROWS: 16-bit forward tiles of 64 query rows (4 warps,
+    # the tiles before) or 128 (8 warps; "auto" picks them at head dims 128
+    # and 256). A row's result does not depend on its block: the same bits
+    # (causal and a window add tiles fully masked for some rows of a wider
+    # block; dropout; GQA), and the reference holds them as everywhere else.
+    q, k, v = make(shape, dtype)
+    gqa = shape[1] != shape[2]
+    rng = torch.tensor([1234567, 89], dtype=torch.long)
+    cases = [dict(is_causal=True), dict(window=(40, 3)), dict(dropout_p=0.2)]
+    for case in cases:
+        win = case.get("window", (-1, -1))
+        args = (q, k, v, None, case.get("dropout_p", 0.0), case.get("is_causal", False), None, gqa, rng,
+                win[0], win[1], True)
+        results = {}
+        for rows in ("64", "128", "auto"):
+            monkeypatch.setenv("MHA_EXT_CUDA_FWD_ROWS", rows)
+            results[rows] = backend.attention(*args)[:2]
+        for rows in ("128", "auto"):
+            for a, b in zip(results["64"], results[rows]):
+                assert torch.equal(a, b), (case, rows)
+        cpu_out = torch.ops.mha_ext.attention(*args)[0]
+        kw = dict(enable_gqa=gqa, bottom_right=True)
+        if "dropout_p" in case:
+            kw.update(keep=R.dropout_keep(1234567, 89, (shape[0], shape[1], shape[3], shape[4]), 0.2), dropout_p=0.2)
+        if case.get("is_causal"):
+            kw.update(is_causal=True)
+        if "window" in case:
+            kw.update(window=win)
+        assert_all_like_cpu(results["128"][0], cpu_out, references(q, k, v, **kw), dtype)
+
+
+def test_emul_forward_rows_setting_is_checked(backend, monkeypatch):
+    q, k, v = make((1, 1, 1, 8, 8, 16, 16), torch.float16)
+    monkeypatch.setenv("MHA_EXT_CUDA_FWD_ROWS", "256")
+    with pytest.raises((RuntimeError, ValueError), match='MHA_EXT_CUDA_FWD_ROWS must be "auto", "64" or "128", got "256"'):
+        backend.attention(q, k, v, None, 0.0, False, None, False)

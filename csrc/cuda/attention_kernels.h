@@ -57,6 +57,9 @@ struct TileConfig {
                                                    : (kHeadDim <= 64 ? 2 : kHeadDim <= 128 ? 4 : 8);
   static constexpr int kBwdWarps = kBwdRowWarps * kBwdColSplit;
   static constexpr int kFwdBlockM = 16 * kFwdWarps;
+  // forward tiles of 128 query rows (8 warps) for 16-bit types, where the
+  // launch picks them (launch.h): K/V tiles shared by twice the rows
+  static constexpr int kFwdWideWarps = kElem == 2 ? 8 : kFwdWarps;
   static constexpr int kBwdBlock = 16 * kBwdRowWarps;
   // row padding of the shared tiles: 16 bytes, so rows start in other banks
   // (and every row on a 16-byte boundary, as cp.async and ldmatrix need)
@@ -69,7 +72,12 @@ struct TileConfig {
   static constexpr bool kFwdPInRegisters = kElem == 2;
   static constexpr int kFwdPBytes = kFwdPInRegisters ? 0 : kElem * kFwdBlockM * (kFwdBlockN + kPad);
   static constexpr int kFwdKVStages = kElem * (kFwdBlockM + 4 * kFwdBlockN) * kLd + kFwdPBytes <= 99 * 1024 ? 2 : 1;
-  static constexpr int kFwdSharedBytes = kElem * (kFwdBlockM + 2 * kFwdKVStages * kFwdBlockN) * kLd + kFwdPBytes;
+  // the forward's shared bytes with `warps` warps (Q, the K/V stages, P)
+  static constexpr int fwd_shared_bytes(int warps) {
+    return kElem * (16 * warps + 2 * kFwdKVStages * kFwdBlockN) * kLd +
+           (kFwdPInRegisters ? 0 : kElem * 16 * warps * (kFwdBlockN + kPad));
+  }
+  static constexpr int kFwdSharedBytes = fwd_shared_bytes(kFwdWarps);
   // backward: the streamed tiles (Q and dO with their rows' shift, log_norm
   // and D in the key-block kernel, K and V in the dQ kernel) double-buffered
   // where two stages fit the same 99 KiB; the fixed tiles, P^T / dS^T, and
@@ -539,7 +547,9 @@ template <typename T, int kHeadDim>
 MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   using A = typename AccOf<T>::type;
   using Cfg = TileConfig<T, kHeadDim>;
-  constexpr int kM = Cfg::kFwdBlockM, kN = Cfg::kFwdBlockN, kLd = Cfg::kLd, kLdP = kN + Cfg::kPad;
+  constexpr int kN = Cfg::kFwdBlockN, kLd = Cfg::kLd, kLdP = kN + Cfg::kPad;
+  // query rows of the block: 16 per warp (the launch picks kFwdWarps or kFwdWideWarps)
+  const int kM = 16 * static_cast<int>(block_dim().x / kWarpSize);
   constexpr int kNT = kN / 8, kOT = kHeadDim / 8, kStages = Cfg::kFwdKVStages;
   constexpr bool kPInRegisters = Cfg::kFwdPInRegisters;
   using Units = SoftmaxUnits<A>;

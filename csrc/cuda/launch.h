@@ -48,6 +48,8 @@ inline int padded_head_dim(int64_t e, int64_t ev) {
 //   float:    D 64: 60.0 KiB, 128: 87.0 KiB, 256: 67.5 KiB
 //   double:   D 64: 54.0 KiB, 128: 83.5 KiB, 256: 99.0 KiB
 // (A100 allows 163 KiB per block, H100 227 KiB, sm_86 / sm_89 / sm_120 99 KiB.)
+// With 128-row tiles (fwd_warps below; f16/bf16 only): D 64: 54.0 KiB, 128:
+// 102.0 KiB, 256: 132.0 KiB.
 template <typename T, int kHeadDim>
 constexpr size_t fwd_shared_bytes() {
   return TileConfig<T, kHeadDim>::kFwdSharedBytes;
@@ -55,6 +57,9 @@ constexpr size_t fwd_shared_bytes() {
 static_assert(fwd_shared_bytes<f16, 64>() == 45 * 1024 && fwd_shared_bytes<f16, 256>() == 99 * 1024 &&
               fwd_shared_bytes<float, 128>() == 89088 && fwd_shared_bytes<float, 256>() == 69120 &&
               fwd_shared_bytes<double, 256>() == 101376 && fwd_shared_bytes<double, 128>() == 85504);
+static_assert(TileConfig<f16, 64>::fwd_shared_bytes(8) == 54 * 1024 &&
+              TileConfig<f16, 128>::fwd_shared_bytes(8) == 102 * 1024 &&
+              TileConfig<bf16, 256>::fwd_shared_bytes(8) == 132 * 1024 && TileConfig<float, 64>::kFwdWideWarps == 4);
 
 // Backward (both kernels, TileConfig::kBwdSharedBytes): two fixed tiles
 // (K and V, or Q and dO), P^T / dS^T, and one or two stages of the streamed
@@ -123,6 +128,30 @@ inline Fp32Math fp32_math_requested() {
   return tf32 ? Fp32Math::kTf32 : Fp32Math::kTf32x3;
 }
 
+// The forward's warps per block (16 query rows each) for element type T at
+// head dim kHeadDim: kFwdWideWarps (128 rows, 16-bit types) or kFwdWarps (64
+// rows). MHA_EXT_CUDA_FWD_ROWS, read at each launch: unset or "auto": 128
+// rows at head dims 128 and 256 when the call has more than 64 query rows
+// and the GPU's shared memory per block holds the wider Q tile (A100, H100:
+// 8 warps per SM where 64-row blocks get 4 on sm_80, and each K/V tile
+// serves twice the rows); 64 rows at head dim 64 (128 rows would take sm_80
+// from 12 warps per SM to 8); "64": always 64 (the tiles before); "128": 128
+// wherever the shared memory holds it. A row's result does not depend on
+// the block it is in (the same key tiles in the same order; a wider causal
+// or window block only adds tiles fully masked for the row, which change
+// nothing): the outputs are bit-identical either way.
+template <typename T, int kHeadDim>
+int fwd_warps(int64_t len_q) {
+  using C = TileConfig<T, kHeadDim>;
+  const char* v = std::getenv("MHA_EXT_CUDA_FWD_ROWS");
+  const std::string mode = v == nullptr ? "auto" : v;
+  if (mode != "auto" && mode != "64" && mode != "128")
+    throw std::invalid_argument("MHA_EXT_CUDA_FWD_ROWS must be \"auto\", \"64\" or \"128\", got \"" + mode + "\"");
+  if (C::kFwdWideWarps == C::kFwdWarps || mode == "64") return C::kFwdWarps;
+  if (mode == "auto" && (kHeadDim < 128 || len_q <= 64)) return C::kFwdWarps;
+  return C::fwd_shared_bytes(C::kFwdWideWarps) <= max_shared_per_block() ? C::kFwdWideWarps : C::kFwdWarps;
+}
+
 template <typename T>
 auto launch_attention_fwd(const AttentionFwdParams& params, Stream stream) {
   AttentionFwdParams p = params;
@@ -131,12 +160,12 @@ auto launch_attention_fwd(const AttentionFwdParams& params, Stream stream) {
   const int d = padded_head_dim(p.head_dim, p.head_dim_v);
   return MHA_HEAD_DIM_SWITCH(d, [&] {
     using C = TileConfig<T, kHeadDim>;
+    const int warps = fwd_warps<T, kHeadDim>(p.len_q);
     // query blocks on x; the (batch, head) pairs on y, spilling into z past kGridYMax
     const int64_t bh = p.batch * p.heads_q, y = std::min<int64_t>(bh, kGridYMax);
-    const dim3 grid(row_blocks(p.len_q, C::kFwdBlockM), static_cast<unsigned>(y),
-                    static_cast<unsigned>((bh + y - 1) / y));
-    return launch_kernel(attention_fwd_kernel<T, kHeadDim>, grid, dim3(32 * C::kFwdWarps),
-                         fwd_shared_bytes<T, kHeadDim>(), stream, p);
+    const dim3 grid(row_blocks(p.len_q, 16 * warps), static_cast<unsigned>(y), static_cast<unsigned>((bh + y - 1) / y));
+    return launch_kernel(attention_fwd_kernel<T, kHeadDim>, grid, dim3(32 * warps),
+                         static_cast<size_t>(C::fwd_shared_bytes(warps)), stream, p);
   });
 }
 

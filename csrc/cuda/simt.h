@@ -23,6 +23,9 @@
 //                                 kernel<<<grid, block, shared_bytes, stream>>>(args...)
 //                                 (host side; raises the dynamic shared memory
 //                                 limit first when shared_bytes > 48 KiB)
+//   max_shared_per_block()        the current GPU's opt-in shared memory per
+//                                 block in bytes (host side; the emulation
+//                                 answers an H100's 227 KiB)
 #pragma once
 
 #include <cstdint>
@@ -84,6 +87,14 @@ MHA_DEVICE void cp_async_wait() {
 }
 
 using Stream = cudaStream_t;
+
+inline int max_shared_per_block() {
+  int device = 0, bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+    return 48 * 1024;  // what every GPU allows; the launch reports the error
+  return bytes;
+}
 
 // Returns the first CUDA error of the attribute call or the launch.
 template <typename... KArgs, typename... Args>

@@ -325,6 +325,8 @@ void cp_async_wait() {
 
 using Stream = void*;
 
+inline int max_shared_per_block() { return 227 * 1024; }
+
 // Runs the kernel under the emulation; returns 0 (no error) to mirror the CUDA form.
 template <typename... KArgs, typename... Args>
 inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t shared_bytes,
