@@ -49,17 +49,25 @@ def cpu_name():
 
 
 def median_times(fns, reps, warmup=1):
-    """Interleaved: each rep runs every fn once, in turn. Returns medians (s)."""
+    """Interleaved: each rep runs every fn once, in turn, starting one later
+    each rep (rep r starts with fn r mod n), so that no fn always runs first
+    or always right after the same other one (the allocator and caches carry
+    state from one call to the next). Returns medians (s)."""
     for fn in fns:
         for _ in range(warmup):
             fn()
     times = [[] for _ in fns]
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
+    for r in range(reps):
+        for i in rotation(len(fns), r):
             t = time.perf_counter()
-            fn()
+            fns[i]()
             times[i].append(time.perf_counter() - t)
     return [statistics.median(t) for t in times]
+
+
+def rotation(n, r):
+    """The order of rep r over n interleaved candidates: r mod n first."""
+    return [(r + i) % n for i in range(n)]
 
 
 def write_report(name, lines):

@@ -1,6 +1,7 @@
 """End to end through Hugging Face transformers: the "mha_ext" attention backend
 against transformers' own "sdpa" and "eager" backends, in one process,
-interleaved (each repetition runs every backend once, in turn), medians.
+interleaved (each repetition runs every backend once, in turn, the first one
+rotating from repetition to repetition), medians.
 
     python bench/bench_hf.py                 # the full table (float32 and bfloat16)
     python bench/bench_hf.py --quick         # fewer lengths and repetitions
@@ -32,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import mha_ext  # noqa: E402
 import mha_ext.integrations.transformers as mt  # noqa: E402
-from bench_attention import cpu_name, median_times, write_report  # noqa: E402
+from bench_attention import cpu_name, median_times, rotation, write_report  # noqa: E402
 
 IMPLS = ["mha_ext", "sdpa", "eager"]
 
@@ -103,9 +104,9 @@ def decoder_rows(contexts, reps, dtype, new_tokens=32):
         for i in IMPLS:  # warm-up
             decode_seconds(i)
         runs = {i: [] for i in IMPLS}
-        for _ in range(reps):  # interleaved, as median_times
-            for i in IMPLS:
-                runs[i].append(decode_seconds(i))
+        for r in range(reps):  # interleaved and rotated, as median_times
+            for k in rotation(len(IMPLS), r):
+                runs[IMPLS[k]].append(decode_seconds(IMPLS[k]))
         rate_g = [new_tokens / statistics.median(runs[i]) for i in IMPLS]
         rows.append((C, [C / t for t in tp], tp, rate_g))
         print(f"  decoder C={C}: prefill " + ", ".join(f"{i} {C / t:.0f} tok/s" for i, t in zip(IMPLS, tp))

@@ -148,6 +148,16 @@ inline std::vector<at::Tensor> fill_common(AttentionFwdParams& p, const Attentio
   return keep_alive;
 }
 
+// The rng_state a call without dropout returns: (0, 0) on query's device
+// (on the CPU written in place: a zeros() call costs more than the whole
+// bookkeeping of a small decode step's attention)
+inline at::Tensor no_rng_state(const at::Tensor& query) {
+  if (!query.device().is_cpu()) return at::zeros({2}, query.options().dtype(at::kLong));
+  at::Tensor r = at::empty({2}, query.options().dtype(at::kLong));
+  r.data_ptr<int64_t>()[0] = r.data_ptr<int64_t>()[1] = 0;
+  return r;
+}
+
 // What the forward host function of every backend does before its kernel:
 // check the inputs (plus `check_backend` on the shape), settle the rng state
 // (a copy of the given one, or `draw()` when dropout needs one; zeros on
@@ -175,7 +185,7 @@ ForwardCall prepare_forward(const at::Tensor& query, const at::Tensor& key, cons
     if (rng_state.has_value()) check_rng_state(*rng_state, query.device(), c.s.len_q);
     c.rng_state = rng_state.has_value() ? rng_state->clone() : draw();
   } else {
-    c.rng_state = at::zeros({2}, query.options().dtype(at::kLong));
+    c.rng_state = no_rng_state(query);
   }
   const AttentionShape& s = c.s;
   c.out = at::empty(with_batch(s, {s.heads_q, s.len_q, s.head_dim_v}), query.options());

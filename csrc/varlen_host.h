@@ -73,7 +73,7 @@ VarlenForwardCall prepare_varlen_forward(const at::Tensor& query, const at::Tens
     if (rng_state.has_value()) check_rng_state(*rng_state, query.device());
     c.rng_state = rng_state.has_value() ? rng_state->clone() : draw();
   } else {
-    c.rng_state = at::zeros({2}, query.options().dtype(at::kLong));
+    c.rng_state = no_rng_state(query);
   }
   const VarlenShape& s = c.s;
   c.out = at::empty({s.total_q, s.heads_q, s.head_dim_v}, query.options());
