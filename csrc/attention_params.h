@@ -134,7 +134,7 @@ struct AttentionFwdParams {
   // GPU run can compare the two ways of loading the same fragments.
   bool scalar_operands = false;
   // CUDA only: how float32 products run (launch.h: TF32 where torch allows
-  // TF32 matmuls, else 3xTF32; the CUDA cores with MHA_EXT_CUDA_FLOAT32).
+  // TF32 matmuls, else the CUDA cores; 3xTF32 with MHA_EXT_CUDA_FLOAT32).
   Fp32Math fp32_math = Fp32Math::kCudaCores;
   DropoutParams dropout;
 

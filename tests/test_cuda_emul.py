@@ -310,10 +310,12 @@ def test_emul_strided_and_batched_inputs(backend):
         torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_emul_hostile_inputs(backend, dtype):
+@pytest.mark.parametrize("dtype,fp32", [(torch.float32, "auto"), (torch.float32, "3xtf32"), (torch.float16, "auto")])
+def test_emul_hostile_inputs(backend, dtype, fp32, monkeypatch):
     # huge logits stay finite; a fully masked row gives 0 and no gradient; a
-    # NaN in one query row makes that row (only) NaN
+    # NaN in one query row makes that row (only) NaN (float32 on the CUDA
+    # cores and as 3xTF32 on the tensor cores)
+    monkeypatch.setenv("MHA_EXT_CUDA_FLOAT32", fp32)
     n, h, L, S, E = 1, 2, 18, 33, 16
     q = (torch.randn(n, h, L, E) * 300).to(dtype)
     k, v = torch.randn(n, h, S, E).to(dtype), torch.randn(n, h, S, E).to(dtype)
@@ -473,8 +475,8 @@ def test_emul_scalar_operands_give_the_ldmatrix_results(backend, dtype, shape, m
     # MHA_EXT_CUDA_OPERANDS=scalar loads the same tensor-core fragments by
     # plain loads (the kernels' way before ldmatrix): the same results, bit
     # for bit where no atomic order enters, and held to the reference as the
-    # default path is (float32: TF32 operands). A first GPU run compares the
-    # two this way.
+    # default path is (float32: 3xTF32 operands). A first GPU run compares
+    # the two this way.
     q, k, v = make(shape, dtype)
     gqa = shape[1] != shape[2]
     rng = torch.tensor([987654321, 4242], dtype=torch.long)
@@ -483,6 +485,8 @@ def test_emul_scalar_operands_give_the_ldmatrix_results(backend, dtype, shape, m
     cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.2, True, None, gqa, rng)
     go = torch.randn_like(cpu_out)
     cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, None, 0.2, True, None, gqa, rng)
+    if dtype == torch.float32:  # its tensor-core operands: 3xTF32
+        monkeypatch.setenv("MHA_EXT_CUDA_FLOAT32", "3xtf32")
     results = {}
     for mode in ("ldmatrix", "scalar"):
         monkeypatch.setenv("MHA_EXT_CUDA_OPERANDS", mode)
@@ -507,13 +511,14 @@ def test_emul_operands_setting_is_checked(backend, monkeypatch):
         backend.attention(q, k, v, None, 0.0, False, None, False)
 
 
-@pytest.mark.parametrize("shape", [(1, 4, 2, 70, 45, 40, 72), (1, 2, 1, 33, 80, 128, 128)])
+@pytest.mark.parametrize("shape", [(1, 4, 2, 50, 70, 64, 48), (1, 4, 2, 70, 45, 40, 72), (1, 2, 1, 33, 80, 128, 128)])
 def test_emul_float32_math_follows_torchs_tf32_setting(backend, shape, monkeypatch):
-    # float32 products run on the tensor cores: 3xTF32 by default (float32
-    # accuracy: the tolerance of the tests above), TF32 where torch allows
-    # TF32 matmuls (10 mantissa bits, as float16: within twice the error of
-    # plain eager PyTorch in float16, and measurably less exact than float32),
-    # and float32 FMAs with MHA_EXT_CUDA_FLOAT32=cuda-cores whatever torch allows.
+    # float32 products: float32 FMAs on the CUDA cores by default (the tests
+    # above), TF32 on the tensor cores where torch allows TF32 matmuls (10
+    # mantissa bits, as float16: within twice the error of plain eager
+    # PyTorch in float16, and measurably less exact than float32), 3xTF32
+    # with MHA_EXT_CUDA_FLOAT32=3xtf32 (float32's tolerance), and float32 FMAs
+    # with MHA_EXT_CUDA_FLOAT32=cuda-cores whatever torch allows.
     q, k, v = make(shape, torch.float32)
     gqa = shape[1] != shape[2]
     go = torch.randn(shape[0], shape[1], shape[3], shape[6], dtype=torch.float64).float()
@@ -529,18 +534,23 @@ def test_emul_float32_math_follows_torchs_tf32_setting(backend, shape, monkeypat
 
     before = torch.backends.cuda.matmul.fp32_precision
     try:
-        results = {(m, pr): run(m, pr) for m in ("tensor-cores", "cuda-cores") for pr in ("ieee", "tf32")}
-        torch.backends.cuda.matmul.allow_tf32 = True  # the older switch selects TF32 too
-        monkeypatch.setenv("MHA_EXT_CUDA_FLOAT32", "tensor-cores")
+        results = {(m, pr): run(m, pr) for m in ("auto", "3xtf32", "cuda-cores") for pr in ("ieee", "tf32")}
+        # the older switch selects TF32 too (from "ieee", so that it is what changes the arithmetic)
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        monkeypatch.setenv("MHA_EXT_CUDA_FLOAT32", "auto")
         out, lse, _ = backend.attention(q, k, v, None, 0.0, True, None, gqa)
-        assert torch.equal(out, results[("tensor-cores", "tf32")][0])
+        assert torch.equal(out, results[("auto", "tf32")][0])
+        assert not torch.equal(out, results[("auto", "ieee")][0])
     finally:
         torch.backends.cuda.matmul.fp32_precision = before
-    for key in (("tensor-cores", "ieee"), ("cuda-cores", "ieee")):
+    for key in (("auto", "ieee"), ("3xtf32", "ieee"), ("3xtf32", "tf32")):
         _assert_near_reference(results[key], refs, refs, torch.float32)
-    for a, b in zip(results[("cuda-cores", "ieee")], results[("cuda-cores", "tf32")]):
+    for a, b, c in zip(results[("auto", "ieee")], results[("cuda-cores", "ieee")], results[("cuda-cores", "tf32")]):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    for a, b in zip(results[("3xtf32", "ieee")], results[("3xtf32", "tf32")]):
         assert torch.equal(a, b)
-    for a, r, h in zip(results[("tensor-cores", "tf32")], refs, halves):
+    for a, r, h in zip(results[("auto", "tf32")], refs, halves):
         scale = max(1.0, r.abs().max().item())
         assert 1e-5 * scale < _err(a, r) <= 2.0 * _err(h, r), (_err(a, r), _err(h, r))
 
@@ -549,7 +559,7 @@ def test_emul_float32_setting_is_checked(backend, monkeypatch):
     q, k, v = make((1, 1, 1, 8, 8, 16, 16), torch.float32)
     monkeypatch.setenv("MHA_EXT_CUDA_FLOAT32", "tf64")
     with pytest.raises((RuntimeError, ValueError),
-                       match='MHA_EXT_CUDA_FLOAT32 must be "tensor-cores" or "cuda-cores", got "tf64"'):
+                       match='MHA_EXT_CUDA_FLOAT32 must be "auto", "3xtf32" or "cuda-cores", got "tf64"'):
         backend.attention(q, k, v, None, 0.0, False, None, False)
 
 

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace mha_ext::device {
 
@@ -112,20 +113,25 @@ inline bool scalar_operands_requested() {
                               "\"");
 }
 
-// How float32 products run, read at each launch: MHA_EXT_CUDA_FLOAT32 unset
-// or "tensor-cores": TF32 where torch allows TF32 matmuls
-// (torch.backends.cuda.matmul.fp32_precision == "tf32", which allow_tf32 and
-// set_float32_matmul_precision("high") set), else 3xTF32; "cuda-cores":
-// float32 FMAs (the kernels' way before the tensor cores).
+// How float32 products run, read at each float32 launch from
+// MHA_EXT_CUDA_FLOAT32: unset or "auto": TF32 on the tensor cores where
+// torch allows TF32 matmuls (torch.backends.cuda.matmul.fp32_precision ==
+// "tf32", which allow_tf32 = True and set_float32_matmul_precision("high")
+// set), else float32 FMAs on the CUDA cores, as torch's matmuls do;
+// "3xtf32": 3xTF32 on the tensor cores (near float32 accuracy: about 2^-21
+// of a product against float32's 2^-24, torch's own float32 attention
+// arithmetic); "cuda-cores": float32 FMAs whatever torch allows.
 inline Fp32Math fp32_math_requested() {
   const char* v = std::getenv("MHA_EXT_CUDA_FLOAT32");
-  if (v != nullptr && std::string(v) == "cuda-cores") return Fp32Math::kCudaCores;
-  if (v != nullptr && std::string(v) != "tensor-cores")
-    throw std::invalid_argument(std::string("MHA_EXT_CUDA_FLOAT32 must be \"tensor-cores\" or \"cuda-cores\", got \"") +
-                                v + "\"");
+  const std::string mode = v == nullptr ? "auto" : v;
+  if (mode == "cuda-cores") return Fp32Math::kCudaCores;
+  if (mode == "3xtf32") return Fp32Math::kTf32x3;
+  if (mode != "auto")
+    throw std::invalid_argument("MHA_EXT_CUDA_FLOAT32 must be \"auto\", \"3xtf32\" or \"cuda-cores\", got \"" + mode +
+                                "\"");
   const bool tf32 = at::globalContext().float32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL) ==
                     at::Float32Precision::TF32;
-  return tf32 ? Fp32Math::kTf32 : Fp32Math::kTf32x3;
+  return tf32 ? Fp32Math::kTf32 : Fp32Math::kCudaCores;
 }
 
 // The forward's warps per block (16 query rows each) for element type T at
@@ -141,6 +147,12 @@ inline Fp32Math fp32_math_requested() {
 // or window block only adds tiles fully masked for the row, which change
 // nothing): the outputs are bit-identical either way.
 template <typename T, int kHeadDim>
+bool fwd_wide_fits() {
+  using C = TileConfig<T, kHeadDim>;
+  return C::kFwdWideWarps != C::kFwdWarps && C::fwd_shared_bytes(C::kFwdWideWarps) <= max_shared_per_block();
+}
+
+template <typename T, int kHeadDim>
 int fwd_warps(int64_t len_q) {
   using C = TileConfig<T, kHeadDim>;
   const char* v = std::getenv("MHA_EXT_CUDA_FWD_ROWS");
@@ -149,14 +161,14 @@ int fwd_warps(int64_t len_q) {
     throw std::invalid_argument("MHA_EXT_CUDA_FWD_ROWS must be \"auto\", \"64\" or \"128\", got \"" + mode + "\"");
   if (C::kFwdWideWarps == C::kFwdWarps || mode == "64") return C::kFwdWarps;
   if (mode == "auto" && (kHeadDim < 128 || len_q <= 64)) return C::kFwdWarps;
-  return C::fwd_shared_bytes(C::kFwdWideWarps) <= max_shared_per_block() ? C::kFwdWideWarps : C::kFwdWarps;
+  return fwd_wide_fits<T, kHeadDim>() ? C::kFwdWideWarps : C::kFwdWarps;
 }
 
 template <typename T>
 auto launch_attention_fwd(const AttentionFwdParams& params, Stream stream) {
   AttentionFwdParams p = params;
   p.scalar_operands = scalar_operands_requested();
-  p.fp32_math = fp32_math_requested();
+  if constexpr (std::is_same_v<T, float>) p.fp32_math = fp32_math_requested();
   const int d = padded_head_dim(p.head_dim, p.head_dim_v);
   return MHA_HEAD_DIM_SWITCH(d, [&] {
     using C = TileConfig<T, kHeadDim>;
@@ -164,8 +176,12 @@ auto launch_attention_fwd(const AttentionFwdParams& params, Stream stream) {
     // query blocks on x; the (batch, head) pairs on y, spilling into z past kGridYMax
     const int64_t bh = p.batch * p.heads_q, y = std::min<int64_t>(bh, kGridYMax);
     const dim3 grid(row_blocks(p.len_q, 16 * warps), static_cast<unsigned>(y), static_cast<unsigned>((bh + y - 1) / y));
+    // the kernel's shared-memory limit: the larger size wherever the GPU has
+    // it, for both row counts (launch_kernel)
+    const int limit = C::fwd_shared_bytes(fwd_wide_fits<T, kHeadDim>() ? C::kFwdWideWarps : C::kFwdWarps);
     return launch_kernel(attention_fwd_kernel<T, kHeadDim>, grid, dim3(32 * warps),
-                         static_cast<size_t>(C::fwd_shared_bytes(warps)), stream, p);
+                         SharedMemory{static_cast<size_t>(C::fwd_shared_bytes(warps)), static_cast<size_t>(limit)},
+                         stream, p);
   });
 }
 
@@ -176,7 +192,7 @@ template <typename T, typename Check>
 void launch_attention_bwd(const AttentionBwdParams& params, Stream stream, Check&& check) {
   AttentionBwdParams p = params;
   p.scalar_operands = scalar_operands_requested();
-  p.fp32_math = fp32_math_requested();
+  if constexpr (std::is_same_v<T, float>) p.fp32_math = fp32_math_requested();
   constexpr int kDotWarps = 4;
   const unsigned bh = static_cast<unsigned>(p.batch * p.heads_q);
   check(launch_kernel(attention_bwd_dot_kernel<T>, dim3(bh, row_blocks(p.len_q, kDotRows)),

@@ -28,7 +28,16 @@
 //                                 answers an H100's 227 KiB)
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+
+namespace mha_ext::simt {
+// The dynamic shared memory of a launch (launch_kernel) and the limit set on
+// the kernel before it.
+struct SharedMemory {
+  size_t bytes, limit;
+};
+}  // namespace mha_ext::simt
 
 #if defined(__CUDACC__)
 
@@ -96,17 +105,28 @@ inline int max_shared_per_block() {
   return bytes;
 }
 
-// Returns the first CUDA error of the attribute call or the launch.
+// Returns the first CUDA error of the attribute call or the launch. The
+// kernel's dynamic shared-memory limit is set to shared.limit (at least
+// shared.bytes): a kernel launched with several sizes passes the largest as
+// its limit every time, so that threads launching it at once, or a graph
+// captured with the larger size, never find the limit lowered by another
+// launch.
+template <typename... KArgs, typename... Args>
+inline cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, SharedMemory shared,
+                                 Stream stream, Args&&... args) {
+  if (shared.limit > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared.limit));
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<grid, block, shared.bytes, stream>>>(static_cast<Args&&>(args)...);
+  return cudaGetLastError();
+}
 template <typename... KArgs, typename... Args>
 inline cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t shared_bytes,
                                  Stream stream, Args&&... args) {
-  if (shared_bytes > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
-    if (err != cudaSuccess) return err;
-  }
-  kernel<<<grid, block, shared_bytes, stream>>>(static_cast<Args&&>(args)...);
-  return cudaGetLastError();
+  return launch_kernel(kernel, grid, block, SharedMemory{shared_bytes, shared_bytes}, stream,
+                       static_cast<Args&&>(args)...);
 }
 
 }  // namespace mha_ext::simt

@@ -334,5 +334,11 @@ inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t
   emul::launch(grid, block, shared_bytes, [&] { kernel(args...); });
   return 0;
 }
+template <typename... KArgs, typename... Args>
+inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, SharedMemory shared, Stream stream,
+                         Args&&... args) {
+  if (shared.limit < shared.bytes) throw std::logic_error("launch_kernel: the shared-memory limit is below the bytes");
+  return launch_kernel(kernel, grid, block, shared.bytes, stream, static_cast<Args&&>(args)...);
+}
 
 }  // namespace mha_ext::simt
