@@ -1,0 +1,188 @@
+"""The CUDA kernels on a GPU, in one process, interleaved, medians (each call
+synchronised): what the first session with a GPU runs.
+
+    python bench/bench_cuda.py                # both tables (needs a CUDA GPU)
+    python bench/bench_cuda.py --quick        # fewer lengths
+    python bench/bench_cuda.py --dry-run      # the same code on the CPU, tiny sizes (checks the script)
+
+1. TFLOP/s of forward and forward+backward, mha_ext against torch's SDPA
+   with its flash and its memory-efficient backend (torch.nn.attention.sdpa_kernel),
+   float16 / bfloat16, head dims 64 and 128, L = 512 .. 16k, causal and not.
+2. The run-time switches of the CUDA backend, each value against the default,
+   forward and forward+backward, interleaved in the same process (they are read
+   at each launch): MHA_EXT_CUDA_FWD_ROWS (64 / 128 query rows per forward
+   block), MHA_EXT_CUDA_OPERANDS (ldmatrix / scalar operand loads), and for
+   float32 MHA_EXT_CUDA_FLOAT32 (auto with TF32 off and on, 3xtf32,
+   cuda-cores) beside torch's float32 (memory-efficient backend).
+
+Attention FLOPs = 4 B H L S E (forward), halved for causal; backward counted
+as 2.5x forward. Writes markdown to bench/out/cuda.md and prints it.
+"""
+import argparse
+import contextlib
+import datetime
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import mha_ext  # noqa: E402
+from bench_attention import attention_flops, gpu_times, median_times, table, write_report  # noqa: E402
+
+
+def timer(device):
+    """median_times, each call waiting for its kernels on a GPU."""
+    return lambda fns, reps: gpu_times(fns, reps, device) if device.type == "cuda" else median_times(fns, reps)
+
+
+def torch_backend(name):
+    """A context that runs F.scaled_dot_product_attention on one backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name is None:
+        return contextlib.nullcontext()
+    return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                         "math": SDPBackend.MATH}[name]])
+
+
+def inputs(B, H, L, E, dtype, device):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, E, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn(B, H, L, E, dtype=dtype, device=device)
+
+
+def step(f, q, k, v, g, causal, backward, ctx=None, env=None):
+    """One call of f (forward, or forward + backward) under a torch backend
+    context and with environment variables set for its duration."""
+    def go():
+        saved = {key: os.environ.get(key) for key in (env or {})}
+        os.environ.update(env or {})
+        try:
+            with ctx() if ctx else contextlib.nullcontext():
+                out = f(q, k, v, is_causal=causal)
+                if backward:
+                    torch.autograd.grad(out, (q, k, v), g)
+        finally:
+            for key, val in saved.items():
+                if val is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = val
+    return go
+
+
+def batch_for(H, L, E, gflop):
+    return max(1, round(gflop * 1e9 / (4 * H * L * L * E)))
+
+
+def against_torch(device, dtypes, dims, lengths, reps, gflop, times):
+    """Table 1: mha_ext, torch flash, torch efficient; TFLOP/s and torch / mha_ext."""
+    rows = []
+    for dt in dtypes:
+        for E in dims:
+            H = 16 if E == 64 else 8
+            for L in lengths:
+                B = batch_for(H, L, E, gflop)
+                q, k, v, g = inputs(B, H, L, E, dt, device)
+                for causal in (False, True):
+                    case = "causal" if causal else "plain"
+                    row = [str(dt).replace("torch.", ""), f"{H}x{E}", L, B, case]
+                    for backward in (False, True):
+                        fns = [step(mha_ext.scaled_dot_product_attention, q, k, v, g, causal, backward)]
+                        names = ["flash", "efficient"] if device.type == "cuda" else [None, None]
+                        fns += [step(F.scaled_dot_product_attention, q, k, v, g, causal, backward,
+                                     lambda n=n: torch_backend(n)) for n in names]
+                        t = times(fns, reps)
+                        tf = [attention_flops(case, B, H, L, E, backward) / x / 1e12 for x in t]
+                        row += [f"{tf[0]:.1f}", f"{tf[1]:.1f}", f"{tf[2]:.1f}", f"{t[0] / t[1]:.2f}",
+                                f"{t[2] / t[0]:.2f}"]
+                    rows.append(row)
+                    print(" | ".join(map(str, row)), flush=True)
+    head = ["dtype", "HxE", "L", "B", "case"]
+    for part in ("fwd", "fwd+bwd"):
+        head += [f"{part} TFLOP/s mha_ext", f"{part} flash", f"{part} efficient", f"{part} mha_ext / flash (time)",
+                 f"{part} efficient / mha_ext (time)"]
+    return table(head, rows)
+
+
+def switches(device, lengths, reps, gflop, times):
+    """Table 2: each value of a run-time switch against the default, as time /
+    default time (below 1: faster than the default)."""
+    variants = [
+        (torch.float16, 128, "MHA_EXT_CUDA_FWD_ROWS", ["auto", "64", "128"]),
+        (torch.float16, 64, "MHA_EXT_CUDA_FWD_ROWS", ["auto", "64", "128"]),
+        (torch.bfloat16, 128, "MHA_EXT_CUDA_OPERANDS", ["ldmatrix", "scalar"]),
+        (torch.float32, 64, "MHA_EXT_CUDA_FLOAT32", ["auto", "auto+tf32", "3xtf32", "cuda-cores"]),
+        (torch.float32, 128, "MHA_EXT_CUDA_FLOAT32", ["auto", "auto+tf32", "3xtf32", "cuda-cores"]),
+    ]
+    rows = []
+    for dt, E, var, values in variants:
+        H = 16 if E == 64 else 8
+        for L in lengths:
+            B = batch_for(H, L, E, gflop)
+            q, k, v, g = inputs(B, H, L, E, dt, device)
+            for backward in (False, True):
+                fns = []
+                for val in values:
+                    tf32 = val.endswith("+tf32")
+                    ctx = (lambda t=tf32: tf32_matmuls(t))
+                    fns.append(step(mha_ext.scaled_dot_product_attention, q, k, v, g, True, backward, ctx,
+                                    {var: val.replace("+tf32", "")}))
+                if dt == torch.float32:  # torch's own float32 attention beside them
+                    fns.append(step(F.scaled_dot_product_attention, q, k, v, g, True, backward,
+                                    lambda: torch_backend("efficient" if device.type == "cuda" else None)))
+                t = times(fns, reps)
+                tf = [attention_flops("causal", B, H, L, E, backward) / x / 1e12 for x in t]
+                cells = [f"{val}: {x:.1f} ({t[i] / t[0]:.2f})" for i, (val, x) in enumerate(zip(values, tf))]
+                if dt == torch.float32:
+                    cells.append(f"torch efficient: {tf[-1]:.1f} ({t[-1] / t[0]:.2f})")
+                row = [str(dt).replace("torch.", ""), f"{H}x{E}", L, B, "fwd+bwd" if backward else "fwd", var,
+                       "; ".join(cells)]
+                rows.append(row)
+                print(" | ".join(map(str, row)), flush=True)
+    return table(["dtype", "HxE", "L", "B", "pass", "switch", "value: TFLOP/s (time / first value's), causal"], rows)
+
+
+@contextlib.contextmanager
+def tf32_matmuls(on):
+    before = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if on else "ieee"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="run on the CPU with tiny sizes (checks the script)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--gflop", type=float, default=200.0, help="forward work per case, picks the batch")
+    args = ap.parse_args()
+    if args.dry_run:
+        device, lengths, reps, gflop = torch.device("cpu"), [64, 96], 2, 0.01
+        dtypes = [torch.float32]
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("bench_cuda.py needs a CUDA GPU (or --dry-run to check the script on the CPU)")
+        device, reps, gflop = torch.device("cuda"), args.reps, args.gflop
+        lengths = [512, 2048, 8192] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
+        dtypes = [torch.float16, torch.bfloat16]
+    times = timer(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run)"
+    lines = [f"# CUDA: mha_ext against torch's SDPA, {datetime.date.today()}", "",
+             f"{name}, torch {torch.__version__}; `python bench/bench_cuda.py {' '.join(sys.argv[1:])}`; medians of "
+             f"{reps} interleaved runs, each synchronised.", "",
+             "## mha_ext against torch's flash and memory-efficient backends", "",
+             against_torch(device, dtypes, [64, 128], lengths, reps, gflop, times), "",
+             "## The CUDA backend's run-time switches (causal)", "",
+             switches(device, lengths[-2:] if not args.dry_run else lengths, reps, gflop, times), ""]
+    write_report("cuda.md", lines)
+
+
+if __name__ == "__main__":
+    main()
