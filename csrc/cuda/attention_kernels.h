@@ -131,13 +131,8 @@ MHA_UNROLL
     bf[r] = pack2(b.at(k0 + MmaLayout::b_row(lane, 2 * r), 8 * nt + MmaLayout::b_col(lane, 2 * r)),
                   b.at(k0 + MmaLayout::b_row(lane, 2 * r + 1), 8 * nt + MmaLayout::b_col(lane, 2 * r + 1)));
 }
-// float on the tensor cores (fp32 = TF32 or 3xTF32, mma.h's m16n8k8): A by
-// ldmatrix when stored by rows, B when stored by its columns, plain loads
-// otherwise; 3xTF32 splits x into big = tf32(x) and small = tf32(x - big)
-// and sums small * big + big * small + big * big (small * small, about
-// 2^-22 of the product, is left out).
 // x's TF32 part into big, and (3xTF32) the remainder into small (0 where
-// big is not finite, so that no inf - inf turns a product into NaN)
+// big is not finite)
 MHA_DEVICE void tf32_split(float f, bool x3, uint32_t& big, uint32_t& small) {
   big = to_tf32(f);
   const float rest = f - tf32_value(big);
@@ -153,6 +148,11 @@ MHA_DEVICE void mma_tf32_terms(float (&acc)[4], const uint32_t (&a_big)[4], cons
   mma_m16n8k8_tf32(acc, a_big, b_big);
 }
 
+// float on the tensor cores (fp32 = TF32 or 3xTF32, mma.h's m16n8k8): A by
+// ldmatrix when stored by rows, B when stored by its columns, plain loads
+// otherwise; 3xTF32 splits x into big = tf32(x) and small = tf32(x - big)
+// and sums small * big + big * small + big * big (small * small, about
+// 2^-22 of the product, is left out).
 template <int NT>
 MHA_DEVICE void warp_mma_tf32(float (&acc)[NT][4], Tile2<float> a, Tile2<float> b, int K, int lane, bool scalar,
                               Fp32Math fp32) {

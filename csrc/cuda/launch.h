@@ -142,26 +142,21 @@ inline Fp32Math fp32_math_requested() {
 // 8 warps per SM where 64-row blocks get 4 on sm_80, and each K/V tile
 // serves twice the rows); 64 rows at head dim 64 (128 rows would take sm_80
 // from 12 warps per SM to 8); "64": always 64 (the tiles before); "128": 128
-// wherever the shared memory holds it. A row's result does not depend on
-// the block it is in (the same key tiles in the same order; a wider causal
-// or window block only adds tiles fully masked for the row, which change
-// nothing): the outputs are bit-identical either way.
+// wherever the shared memory holds it. For finite inputs a row's result does
+// not depend on the block it is in (the same key tiles in the same order; a
+// wider causal or window block only adds tiles fully masked for the row,
+// which change nothing): the outputs are bit-identical either way.
+// wide_fits: the GPU's shared memory per block holds the 128-row tiles.
 template <typename T, int kHeadDim>
-bool fwd_wide_fits() {
-  using C = TileConfig<T, kHeadDim>;
-  return C::kFwdWideWarps != C::kFwdWarps && C::fwd_shared_bytes(C::kFwdWideWarps) <= max_shared_per_block();
-}
-
-template <typename T, int kHeadDim>
-int fwd_warps(int64_t len_q) {
+int fwd_warps(int64_t len_q, bool wide_fits) {
   using C = TileConfig<T, kHeadDim>;
   const char* v = std::getenv("MHA_EXT_CUDA_FWD_ROWS");
   const std::string mode = v == nullptr ? "auto" : v;
   if (mode != "auto" && mode != "64" && mode != "128")
     throw std::invalid_argument("MHA_EXT_CUDA_FWD_ROWS must be \"auto\", \"64\" or \"128\", got \"" + mode + "\"");
-  if (C::kFwdWideWarps == C::kFwdWarps || mode == "64") return C::kFwdWarps;
+  if (!wide_fits || mode == "64") return C::kFwdWarps;
   if (mode == "auto" && (kHeadDim < 128 || len_q <= 64)) return C::kFwdWarps;
-  return fwd_wide_fits<T, kHeadDim>() ? C::kFwdWideWarps : C::kFwdWarps;
+  return C::kFwdWideWarps;
 }
 
 template <typename T>
@@ -172,13 +167,16 @@ auto launch_attention_fwd(const AttentionFwdParams& params, Stream stream) {
   const int d = padded_head_dim(p.head_dim, p.head_dim_v);
   return MHA_HEAD_DIM_SWITCH(d, [&] {
     using C = TileConfig<T, kHeadDim>;
-    const int warps = fwd_warps<T, kHeadDim>(p.len_q);
+    // 128-row tiles exist (16-bit types) and the GPU holds them: one device query a launch
+    const bool wide_fits =
+        C::kFwdWideWarps != C::kFwdWarps && C::fwd_shared_bytes(C::kFwdWideWarps) <= max_shared_per_block();
+    const int warps = fwd_warps<T, kHeadDim>(p.len_q, wide_fits);
     // query blocks on x; the (batch, head) pairs on y, spilling into z past kGridYMax
     const int64_t bh = p.batch * p.heads_q, y = std::min<int64_t>(bh, kGridYMax);
     const dim3 grid(row_blocks(p.len_q, 16 * warps), static_cast<unsigned>(y), static_cast<unsigned>((bh + y - 1) / y));
     // the kernel's shared-memory limit: the larger size wherever the GPU has
     // it, for both row counts (launch_kernel)
-    const int limit = C::fwd_shared_bytes(fwd_wide_fits<T, kHeadDim>() ? C::kFwdWideWarps : C::kFwdWarps);
+    const int limit = C::fwd_shared_bytes(wide_fits ? C::kFwdWideWarps : C::kFwdWarps);
     return launch_kernel(attention_fwd_kernel<T, kHeadDim>, grid, dim3(32 * warps),
                          SharedMemory{static_cast<size_t>(C::fwd_shared_bytes(warps)), static_cast<size_t>(limit)},
                          stream, p);

@@ -137,40 +137,47 @@ inline float half_bits_to_float(uint16_t bits, bf16*) {
   return static_cast<float>(h);
 }
 
-}  // namespace emul
-
-template <typename T16>
-inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  const int lane = emul::linear_tid() % kWarpSize;
-  uint32_t mine[6];
-  for (int r = 0; r < 4; ++r) mine[r] = a[r];
-  mine[4] = b[0];
-  mine[5] = b[1];
+// d += A (16 x K) B (K x 8) for the warp: every lane publishes its A and B
+// registers (a, then b), and each lane computes its four D elements from
+// a_at(word_of, row, k) and b_at(word_of, k, col), which read an element
+// from the lane and register its instruction's layout says holds it; the
+// products are summed over k in order, in float32 as the hardware accumulates.
+template <int K, typename AAt, typename BAt>
+inline void warp_mma_by_layout(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], AAt&& a_at,
+                               BAt&& b_at) {
+  const int lane = linear_tid() % kWarpSize;
+  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
   float result[4];
-  emul::warp_exchange_words(mine, 6, [&](auto&& word_of) {
-    // Element (row, col) of A: lane 4 (row % 8) + (col % 8) / 2, element index
-    // (col & 1) + 2 [row >= 8] + 4 [col >= 8], two per register.
-    auto a_at = [&](int row, int col) {
-      const int src = 4 * (row % 8) + (col % 8) / 2;
-      const int i = (col & 1) + (row >= 8 ? 2 : 0) + (col >= 8 ? 4 : 0);
-      const uint32_t w = word_of(src, i / 2);
-      return emul::half_bits_to_float(static_cast<uint16_t>(i % 2 ? w >> 16 : w & 0xffff), (T16*)nullptr);
-    };
-    // Element (k, n) of B: lane 4 n + (k % 8) / 2, element (k & 1) + 2 [k >= 8].
-    auto b_at = [&](int k, int n) {
-      const int src = 4 * n + (k % 8) / 2;
-      const int i = (k & 1) + (k >= 8 ? 2 : 0);
-      const uint32_t w = word_of(src, 4 + i / 2);
-      return emul::half_bits_to_float(static_cast<uint16_t>(i % 2 ? w >> 16 : w & 0xffff), (T16*)nullptr);
-    };
+  warp_exchange_words(mine, 6, [&](auto&& word_of) {
     for (int e = 0; e < 4; ++e) {
       const int row = MmaLayout::c_row(lane, e), col = MmaLayout::c_col(lane, e);
       float acc = d[e];
-      for (int k = 0; k < 16; ++k) acc += a_at(row, k) * b_at(k, col);
+      for (int k = 0; k < K; ++k) acc += a_at(word_of, row, k) * b_at(word_of, k, col);
       result[e] = acc;
     }
   });
   for (int e = 0; e < 4; ++e) d[e] = result[e];
+}
+
+}  // namespace emul
+
+template <typename T16>
+inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  auto half = [](uint32_t w, int i) {
+    return emul::half_bits_to_float(static_cast<uint16_t>(i % 2 ? w >> 16 : w & 0xffff), (T16*)nullptr);
+  };
+  // Element (row, col) of A: lane 4 (row % 8) + (col % 8) / 2, element index
+  // (col & 1) + 2 [row >= 8] + 4 [col >= 8], two per register.
+  auto a_at = [&](auto&& word_of, int row, int col) {
+    const int i = (col & 1) + (row >= 8 ? 2 : 0) + (col >= 8 ? 4 : 0);
+    return half(word_of(4 * (row % 8) + (col % 8) / 2, i / 2), i);
+  };
+  // Element (k, n) of B: lane 4 n + (k % 8) / 2, element (k & 1) + 2 [k >= 8].
+  auto b_at = [&](auto&& word_of, int k, int n) {
+    const int i = (k & 1) + (k >= 8 ? 2 : 0);
+    return half(word_of(4 * n + (k % 8) / 2, 4 + i / 2), i);
+  };
+  emul::warp_mma_by_layout<16>(d, a, b, a_at, b_at);
 }
 
 inline float tf32_value(uint32_t bits) {
@@ -188,31 +195,21 @@ inline uint32_t float_bits(float x) {
 // 13 bits cleared (ties away from zero; the largest floats round to
 // infinity); infinities and NaN keep their class.
 inline uint32_t to_tf32(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
+  const uint32_t u = float_bits(x);
   if ((u & 0x7f800000u) == 0x7f800000u) return (u & 0x1fffu) ? (u | 0x00400000u) & 0xffffe000u : u;
   return (u + 0x1000u) & 0xffffe000u;
 }
 
 inline void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  const int lane = emul::linear_tid() % kWarpSize;
-  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
-  float result[4];
-  emul::warp_exchange_words(mine, 6, [&](auto&& word_of) {
-    // the hardware reads 19 bits of each operand register
-    auto value = [](uint32_t w) { return tf32_value(w & 0xffffe000u); };
-    // A (row, col): lane 4 (row % 8) + col % 4, register [row >= 8] + 2 [col >= 4]
-    auto a_at = [&](int row, int col) { return value(word_of(4 * (row % 8) + col % 4, (row >= 8) + 2 * (col >= 4))); };
-    // B (k, n): lane 4 n + k % 4, register 4 + [k >= 4]
-    auto b_at = [&](int k, int n) { return value(word_of(4 * n + k % 4, 4 + (k >= 4))); };
-    for (int e = 0; e < 4; ++e) {
-      const int row = MmaLayout::c_row(lane, e), col = MmaLayout::c_col(lane, e);
-      float acc = d[e];
-      for (int k = 0; k < 8; ++k) acc += a_at(row, k) * b_at(k, col);
-      result[e] = acc;
-    }
-  });
-  for (int e = 0; e < 4; ++e) d[e] = result[e];
+  // the hardware reads 19 bits of each operand register
+  auto value = [](uint32_t w) { return tf32_value(w & 0xffffe000u); };
+  // A (row, col): lane 4 (row % 8) + col % 4, register [row >= 8] + 2 [col >= 4]
+  auto a_at = [&](auto&& word_of, int row, int col) {
+    return value(word_of(4 * (row % 8) + col % 4, (row >= 8) + 2 * (col >= 4)));
+  };
+  // B (k, n): lane 4 n + k % 4, register 4 + [k >= 4]
+  auto b_at = [&](auto&& word_of, int k, int n) { return value(word_of(4 * n + k % 4, 4 + (k >= 4))); };
+  emul::warp_mma_by_layout<8>(d, a, b, a_at, b_at);
 }
 
 namespace emul {
