@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .ops import attention_weights, new_rng_state
+from .ops import attention_weights, new_rng_state, run_op
 
 __all__ = ["MultiheadAttention"]
 
@@ -31,8 +31,8 @@ def _attend_unpadded_keys(q, k, v, key_padding_mask, dropout_p, rng_state):
     keep = ~key_padding_mask
     cu_k = F.pad(keep.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
     cu_q = torch.arange(0, (N + 1) * L, L, dtype=torch.int32, device=q.device)
-    out, lse, rng_used = torch.ops.mha_ext.varlen_attention(
-        q.transpose(1, 2).reshape(N * L, H, D), k.transpose(1, 2)[keep], v.transpose(1, 2)[keep], cu_q, cu_k, L,
+    out, lse, rng_used = run_op(
+        torch.ops.mha_ext.varlen_attention.default, q.transpose(1, 2).reshape(N * L, H, D), k.transpose(1, 2)[keep], v.transpose(1, 2)[keep], cu_q, cu_k, L,
         k.shape[2], dropout_p, False, None, rng_state)
     return out.view(N, L, H, -1).transpose(1, 2), lse.view(H, N, L).transpose(0, 1), rng_used
 
@@ -147,8 +147,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if skip_padding:
             out, lse, rng_used = _attend_unpadded_keys(q, k, v, key_padding_mask, dropout_p, rng_state)
         else:
-            out, lse, rng_used = torch.ops.mha_ext.attention(q, k, v, mask, dropout_p, use_causal, None, False,
-                                                             rng_state)
+            out, lse, rng_used = run_op(torch.ops.mha_ext.attention.default, q, k, v, mask, dropout_p, use_causal,
+                                        None, False, rng_state)
         if all_dropped:
             out = out * 0.0
         out = self.out_proj(out.transpose(1, 2).reshape(N, L, E))

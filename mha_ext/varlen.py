@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .ops import (_acc_dtype, _check, _check_qkv_common, _check_same_shape, _composite_attention, _fmt, _variant_args,
-                  check_dropout_p, check_rng_state, check_variant, new_rng_state)
+                  check_dropout_p, check_rng_state, check_variant, new_rng_state, run_op)
 
 __all__ = ["varlen_attention", "check_varlen_inputs"]
 
@@ -201,8 +201,8 @@ def varlen_attention(
     key gives 0."""
     variant = _variant_args(alignment, window, softcap)
     rng_state = new_rng_state(query.device) if dropout_p > 0.0 else None
-    out, lse, _ = torch.ops.mha_ext.varlen_attention(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(dropout_p),
+    out, lse, _ = run_op(
+        torch.ops.mha_ext.varlen_attention.default, query, key, value, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(dropout_p),
         bool(causal), scale, rng_state, *variant, alibi_slopes,
     )
     return (out, lse) if return_lse else out

@@ -135,3 +135,35 @@ def test_broadcast_shapes_compile_fullgraph():
     torch.testing.assert_close(f(q, k, v, dropout_p=0.0), F.scaled_dot_product_attention(q, k, v))
     q2, k2, v2 = torch.randn(5, 8), torch.randn(6, 8), torch.randn(6, 4)
     torch.testing.assert_close(f(q2, k2, v2, is_causal=True), F.scaled_dot_product_attention(q2, k2, v2, is_causal=True))
+
+
+@pytest.mark.parametrize("requires", ["nothing", "no_grad", "inference_mode", "mask only", "key only"])
+def test_calls_without_autograd_skip_it_and_calls_with_it_keep_it(requires):
+    # Where autograd has nothing to record, the functional API calls the
+    # kernel below autograd; where one argument requires grad, autograd runs
+    # and that argument's gradient is torch's.
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 6)
+    mask = torch.randn(5, 7)
+    if requires == "mask only":
+        mask.requires_grad_()
+    if requires == "key only":
+        k.requires_grad_()
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(requires, torch.enable_grad)
+    with ctx():
+        ours = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+        ours_attn = mha_ext.attention(q, k, v, mask, enable_gqa=True, alignment="bottom_right", causal=True)
+        theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        bottom_right = torch.ones(5, 7, dtype=torch.bool).tril(7 - 5)
+        theirs_attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.masked_fill(~bottom_right, float("-inf")),
+                                                     enable_gqa=True)
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(ours_attn, theirs_attn)
+    wants_grad = requires in ("mask only", "key only")
+    assert (ours.grad_fn is not None) == wants_grad and (ours_attn.grad_fn is not None) == wants_grad
+    if wants_grad:
+        leaf = mask if requires == "mask only" else k
+        g = torch.randn_like(ours)
+        (mine,) = torch.autograd.grad(ours, leaf, g)
+        (ref,) = torch.autograd.grad(theirs, leaf, g)
+        torch.testing.assert_close(mine, ref)

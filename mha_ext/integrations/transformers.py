@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ..ops import attention_weights, new_rng_state
+from ..ops import attention_weights, new_rng_state, run_op
 
 NAME = "mha_ext"
 
@@ -60,9 +60,9 @@ def attention_forward(
         mask = mask.to(query.dtype)
     softcap = float(softcap) if softcap else 0.0
     rng_state = new_rng_state(query.device) if dropout > 0.0 else None
-    out, lse, rng_used = torch.ops.mha_ext.attention(
-        query, key, value, mask, float(dropout), is_causal, scaling, hq != hkv, rng_state,
-        -1, -1, False, softcap, None,
+    out, lse, rng_used = run_op(
+        torch.ops.mha_ext.attention.default, query, key, value, mask, float(dropout), is_causal, scaling, hq != hkv,
+        rng_state, -1, -1, False, softcap, None,
     )
     weights = None
     if kwargs.get("output_attentions", False):
