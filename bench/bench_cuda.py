@@ -14,6 +14,10 @@ synchronised): what the first session with a GPU runs.
    block), MHA_EXT_CUDA_OPERANDS (ldmatrix / scalar operand loads), and for
    float32 MHA_EXT_CUDA_FLOAT32 (auto with TF32 off and on, 3xtf32,
    cuda-cores) beside torch's float32 (memory-efficient backend).
+3. Decoding (one query row against 2k-32k keys, B = 1 and 8, 32 heads on 8
+   and 12 on 12): MHA_EXT_CUDA_KV_SPLITS auto (keys split across blocks,
+   merged by logsumexp) and 1 (one block a head), torch's flash and
+   memory-efficient backends, and K/V bytes read per second.
 
 Attention FLOPs = 4 B H L S E (forward), halved for causal; backward counted
 as 2.5x forward. Writes markdown to bench/out/cuda.md and prints it.
@@ -146,6 +150,41 @@ def switches(device, lengths, reps, gflop, times):
     return table(["dtype", "HxE", "L", "B", "pass", "switch", "value: TFLOP/s (time / first value's), causal"], rows)
 
 
+def decode(device, dtypes, lengths, reps, times):
+    """Table 3: one query row against S keys (a decode step), mha_ext with its
+    key splits ("auto", the default) and without ("1": one block a head),
+    beside torch's flash and memory-efficient backends; K/V bytes read per
+    second beside the GPU's copy bandwidth measured in the same run."""
+    n = 256 * 1024 * 1024 if device.type == "cuda" else 1024 * 1024
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    copy_gbs = 2 * n / times([lambda: dst.copy_(src)], reps)[0] / 1e9  # read + write
+    rows = []
+    for dt in dtypes:
+        for B in (1, 8):
+            for hq, hkv, E in ((32, 8, 128), (12, 12, 64)):
+                for S in lengths:
+                    torch.manual_seed(0)
+                    q = torch.randn(B, hq, 1, E, dtype=dt, device=device)
+                    k, v = (torch.randn(B, hkv, S, E, dtype=dt, device=device) for _ in range(2))
+                    gqa = hq != hkv
+                    ours = lambda *a, **kw: mha_ext.scaled_dot_product_attention(*a, **kw, enable_gqa=gqa)  # noqa: E731
+                    fns = [step(ours, q, k, v, None, False, False, None, {"MHA_EXT_CUDA_KV_SPLITS": val})
+                           for val in ("auto", "1")]
+                    for name in ("flash", "efficient"):
+                        fns.append(step(lambda *a, **kw: F.scaled_dot_product_attention(*a, **kw, enable_gqa=gqa),
+                                        q, k, v, None, False, False,
+                                        lambda n=name: torch_backend(n if device.type == "cuda" else None)))
+                    t = times(fns, reps)
+                    kv = 2 * k.numel() * k.element_size()
+                    row = [str(dt).replace("torch.", ""), B, f"{hq}, {hkv}, {E}", S] + [f"{x * 1e3:.3f}" for x in t]
+                    row += [f"{kv / t[0] / 1e9:.0f}", f"{t[2] / t[0]:.2f}", f"{t[1] / t[0]:.2f}"]
+                    rows.append(row)
+                    print(" | ".join(map(str, row)), flush=True)
+    head = ["dtype", "B", "Hq, Hkv, D", "S", "ms mha_ext (splits auto)", "ms mha_ext (splits 1)", "ms flash",
+            "ms efficient", "mha_ext K/V GB/s", "flash / mha_ext", "splits 1 / auto"]
+    return f"Copy bandwidth (read + write of {n >> 20} MiB): {copy_gbs:.0f} GB/s.\n\n" + table(head, rows)
+
+
 @contextlib.contextmanager
 def tf32_matmuls(on):
     before = torch.backends.cuda.matmul.fp32_precision
@@ -180,7 +219,9 @@ def main():
              "## mha_ext against torch's flash and memory-efficient backends", "",
              against_torch(device, dtypes, [64, 128], lengths, reps, gflop, times), "",
              "## The CUDA backend's run-time switches (causal)", "",
-             switches(device, lengths[-2:] if not args.dry_run else lengths, reps, gflop, times), ""]
+             switches(device, lengths[-2:] if not args.dry_run else lengths, reps, gflop, times), "",
+             "## Decoding: one query row, key splits on and off", "",
+             decode(device, dtypes, [64, 300] if args.dry_run else [2048, 8192, 32768], reps, times), ""]
     write_report("cuda.md", lines)
 
 

@@ -136,6 +136,16 @@ struct AttentionFwdParams {
   // CUDA only: how float32 products run (launch.h: TF32 where torch allows
   // TF32 matmuls, else the CUDA cores; 3xTF32 with MHA_EXT_CUDA_FLOAT32).
   Fp32Math fp32_math = Fp32Math::kCudaCores;
+  // CUDA only: keys split across blocks (flash-decoding), where batch x
+  // heads x query blocks would leave the GPU's multiprocessors idle (launch.h
+  // picks the count; dense and KV-cache calls). With kv_splits > 1 the block
+  // of split s attends to the s-th of kv_splits runs of whole key tiles of
+  // what its rows may see, and leaves its rows' O (normalised by its own sum)
+  // in part_out and their softmax max and sum in part_ml; the combine kernel
+  // merges them into out and lse.
+  int64_t kv_splits = 1;
+  void* part_out = nullptr;  // (kv_splits, B, Hq, L, Ev), the accumulation type
+  void* part_ml = nullptr;   // (2, kv_splits, B, Hq, L): max (in the softmax's units), then sum
   DropoutParams dropout;
 
   // lse (and the CUDA backward's per-row buffers) of row i of (b, h) sit at

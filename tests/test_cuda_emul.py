@@ -602,3 +602,83 @@ def test_emul_forward_rows_setting_is_checked(backend, monkeypatch):
     monkeypatch.setenv("MHA_EXT_CUDA_FWD_ROWS", "256")
     with pytest.raises((RuntimeError, ValueError), match='MHA_EXT_CUDA_FWD_ROWS must be "auto", "64" or "128", got "256"'):
         backend.attention(q, k, v, None, 0.0, False, None, False)
+
+
+# Decode-like shapes (N, Hq, Hkv, L, S, E, Ev): few query rows against many keys.
+SPLIT_SHAPES = [(1, 4, 2, 1, 300, 64, 64), (2, 2, 2, 3, 257, 40, 72), (1, 2, 1, 2, 150, 128, 96)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SPLIT_SHAPES)
+def test_emul_key_splits_match_the_reference(backend, dtype, shape, monkeypatch):
+    # MHA_EXT_CUDA_KV_SPLITS: the keys each block's rows may see cut into
+    # runs of whole tiles, a block each, merged by the combine kernel
+    # (flash-decoding). Each count against the reference and the CPU's
+    # logsumexp, with the variants that move a row's keys, a mask with a
+    # fully masked row, dropout, GQA and E != Ev.
+    torch.manual_seed(3)
+    n, hq, hkv, L, S = shape[:5]
+    q, k, v = make(shape, dtype)
+    gqa = hq != hkv
+    mask = torch.rand(n, 1, L, S) > 0.3
+    mask[0, 0, 0] = False  # a row that may see no key: 0, lse -inf
+    slopes = torch.rand(hq, dtype=torch.float32) * 0.1
+    rng = torch.tensor([1234567, 89], dtype=torch.long)
+    cases = {"plain": {}, "causal": dict(is_causal=True), "window": dict(window=(90, 0)),
+             "softcap and alibi": dict(softcap=3.0, alibi_slopes=slopes), "mask": dict(attn_mask=mask),
+             "dropout": dict(dropout_p=0.2)}
+    for name, case in cases.items():
+        win = case.get("window", (-1, -1))
+        args = (q, k, v, case.get("attn_mask"), case.get("dropout_p", 0.0), case.get("is_causal", False), None, gqa,
+                rng, win[0], win[1], True, case.get("softcap", 0.0), case.get("alibi_slopes"))
+        kw = dict(enable_gqa=gqa, bottom_right=True, mask=case.get("attn_mask"), is_causal=case.get("is_causal", False),
+                  window=win, softcap=case.get("softcap", 0.0), alibi_slopes=case.get("alibi_slopes"))
+        if "dropout_p" in case:
+            kw.update(keep=R.dropout_keep(1234567, 89, (n, hq, L, S), 0.2), dropout_p=0.2)
+        cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(*args)
+        refs = references(q, k, v, **kw)
+        elem, d = torch.empty(0, dtype=dtype).element_size(), max(shape[5], shape[6])
+        tile = {2: 64 if d <= 128 else 32, 4: 32 if d <= 128 else 16, 8: 16}[elem]  # TileConfig::kFwdBlockN
+        for splits in ("1", "3", "7"):
+            monkeypatch.setenv("MHA_EXT_CUDA_KV_SPLITS", splits)
+            if isinstance(backend, OnCuda):
+                out, lse, _ = backend.attention(*args)
+            else:
+                backend.launched_grids()
+                out, lse, _ = backend.attention(*args)
+                grids = backend.launched_grids()
+                # one query block, times the splits (at most one a key tile) on grid x, then the combine
+                want = min(int(splits), -(-S // tile))
+                assert grids[0] == want and len(grids) == (3 if want == 1 else 6), (name, splits, grids)
+            assert_all_like_cpu(out, cpu_out, refs, dtype)
+            assert torch.equal(torch.isinf(lse), torch.isinf(cpu_lse)), (name, splits)
+            torch.testing.assert_close(lse, cpu_lse, rtol=1e-5 if dtype != torch.float64 else 1e-12, atol=1e-5)
+
+
+def test_emul_key_splits_auto_fills_the_gpu(backend, monkeypatch):
+    # "auto" (the default): a decode step of 2 x 4 heads makes 8 blocks for
+    # 132 multiprocessors (the emulation's H100): the keys split into runs of
+    # at least 4 tiles, toward 2 x 132 blocks; keys of fewer than 8 tiles are
+    # not split.
+    if isinstance(backend, OnCuda):
+        pytest.skip("reads the emulation's launch log")
+    monkeypatch.delenv("MHA_EXT_CUDA_KV_SPLITS", raising=False)
+    q, k, v = make((2, 4, 4, 1, 2048, 64, 64), torch.float16)
+    backend.launched_grids()
+    out = backend.attention(q, k, v, None, 0.0, False, None, False)[0]
+    grids = backend.launched_grids()
+    assert grids[:3] == [min(-(-264 // 8), 2048 // 64 // 4), 3, 3] and len(grids) == 6, grids
+    assert_like_cpu(out, torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, False)[0],
+                    R.attention(q, k, v), R.attention(q, k, v, compute_dtype=torch.float16), torch.float16)
+    q, k, v = make((1, 1, 1, 300, 300, 64, 64), torch.float16)
+    backend.attention(q, k, v, None, 0.0, False, None, False)
+    assert backend.launched_grids() == [5, 1, 1]  # 64-row blocks, 5 key tiles, one launch
+
+
+def test_emul_key_splits_setting_is_checked(backend, monkeypatch):
+    q, k, v = make((1, 1, 1, 1, 8, 16, 16), torch.float16)
+    for bad in ("0", "65", "two"):
+        monkeypatch.setenv("MHA_EXT_CUDA_KV_SPLITS", bad)
+        with pytest.raises((RuntimeError, ValueError),
+                           match=f'MHA_EXT_CUDA_KV_SPLITS must be "auto" or a number from 1 to 64, got "{bad}"'):
+            backend.attention(q, k, v, None, 0.0, False, None, False)

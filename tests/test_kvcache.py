@@ -91,7 +91,11 @@ def device_backend(request):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["causal", "window", "alibi (B, Hq)"])
-def test_kvcache_cuda_backend_matches_reference(device_backend, name, dtype):
+@pytest.mark.parametrize("splits", ["auto", "1", "5"])
+def test_kvcache_cuda_backend_matches_reference(device_backend, name, dtype, splits, monkeypatch):
+    # splits: MHA_EXT_CUDA_KV_SPLITS, each batch's keys in that many runs
+    # (batch 0 has no cached keys, so most of its runs are empty)
+    monkeypatch.setenv("MHA_EXT_CUDA_KV_SPLITS", splits)
     variant = VARIANTS[name]
     q, kc, vc, sl, kn, vn = _make(L=3, dtype=dtype)
     kc0, vc0 = kc.clone(), vc.clone()

@@ -102,6 +102,19 @@ void check_launch(Status status) {
 #endif
 }
 
+// The forward's launches (device::launch_attention_fwd) for element type T,
+// their workspace (the key splits' partial results) from torch's allocator
+// on query's device, released when the call returns: the caching allocator
+// hands it out again only to work queued after these kernels on the stream.
+template <typename T>
+void launch_forward(const AttentionFwdParams& p, const at::Tensor& query, simt::Stream stream) {
+  at::Tensor workspace;
+  device::launch_attention_fwd<T>(p, stream, [](auto status) { check_launch(status); }, [&](size_t bytes) {
+    workspace = at::empty({static_cast<int64_t>(bytes)}, query.options().dtype(at::kByte));
+    return workspace.data_ptr();
+  });
+}
+
 // (seed, offset) for a call with dropout and no rng_state, as an int64 (2)
 // tensor on query's device: from torch's CUDA generator, advanced by the
 // Philox counters a row of S keys uses. Inside a CUDA graph the generator's
@@ -186,7 +199,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_fwd_device(
   const simt::Stream stream = current_stream(query);
   dispatch_device_type(query.scalar_type(), "attention", [&](auto elem) {
     using T = decltype(elem);
-    check_launch(device::launch_attention_fwd<T>(c.p, stream));
+    launch_forward<T>(c.p, query, stream);
   });
   return {c.out, c.lse, c.rng_state};
 }

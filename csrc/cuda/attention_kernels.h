@@ -514,6 +514,22 @@ MHA_DEVICE A row_max4(A x) {
   return nan_max(x, shfl_xor(x, 2));
 }
 
+// f(i, c, x) for each element of a warp's output C fragments o (its rows
+// from row0) that is a real output (i < L, c < Ev), x = o / the row's sum
+// (inv: the two rows' reciprocals).
+template <int kOT, typename A, typename F>
+MHA_DEVICE void for_each_output(const A (&o)[kOT][4], const A (&inv)[2], int64_t row0, int64_t L, int64_t Ev,
+                                int lane, F&& f) {
+MHA_UNROLL
+  for (int t = 0; t < kOT; ++t)
+MHA_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int64_t i = row0 + MmaLayout::c_row(lane, e);
+      const int c = 8 * t + MmaLayout::c_col(lane, e);
+      if (i < L && c < Ev) f(i, c, o[t][e] * inv[e / 2]);
+    }
+}
+
 // The tile stream of every kernel: body(t, stage) for the tiles at
 // t = first, first + step, .. < end, each once its loads (issue(t, stage):
 // cp.async copies and one commit, plus plain stores) are in for every
@@ -564,7 +580,10 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   if (bh >= params.batch * params.heads_q) return;  // the last z slice's spare blocks
   const int64_t b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
   const AttentionFwdParams p = sequence_params<T, A>(params, b);  // params itself unless varlen
-  const int64_t i0 = static_cast<int64_t>(block_idx().x) * kM;
+  // x: the query block, then the key split (kv_splits runs of the grid's query blocks)
+  const unsigned q_blocks = static_cast<unsigned>((params.len_q + kM - 1) / kM);
+  const unsigned split = block_idx().x / q_blocks;
+  const int64_t i0 = static_cast<int64_t>(block_idx().x % q_blocks) * kM;
   const int64_t L = p.len_q, S = p.len_kv;
   if (i0 >= L) return;  // a block past a shorter sequence's rows (varlen)
   const A rescale = static_cast<A>(p.dropout.rescale);
@@ -582,8 +601,13 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   zero(o);
   A m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {A(0), A(0)};
   // the key tiles some row of the block may see (causal alignment, window)
-  const int64_t kv_end = p.variant.end((i0 + kM < L ? i0 + kM : L) - 1, S);
-  const int64_t j_first = p.variant.begin(i0) / kN * kN;
+  const int64_t vis_end = p.variant.end((i0 + kM < L ? i0 + kM : L) - 1, S);
+  const int64_t vis_first = p.variant.begin(i0) / kN * kN;
+  // with key splits, this split's run of those tiles (empty past the last)
+  const int64_t run = p.kv_splits > 1 && vis_end > vis_first
+                          ? ((vis_end - vis_first + kN - 1) / kN + p.kv_splits - 1) / p.kv_splits * kN : 0;
+  const int64_t j_first = vis_first + split * run;
+  const int64_t kv_end = p.kv_splits > 1 ? (j_first + run < vis_end ? j_first + run : vis_end) : vis_end;
   // Issues the loads of the tile at key j into stage st, as one cp.async
   // group; its rows from kv_offset of its first (a tile of a paged KV cache
   // lies in one block).
@@ -703,15 +727,27 @@ MHA_UNROLL
     l[r] = row_sum4(l_run[r]);
     inv[r] = l[r] > A(0) ? A(1) / l[r] : A(0);  // 0 for a fully masked row (l = 0)
   }
+  if (p.kv_splits > 1) {  // this split's rows for the combine kernel (dense rows: i indexes L)
+    const int64_t rows = p.kv_splits * p.batch * p.heads_q * L, row0 = (split * p.batch * p.heads_q + bh) * L;
+    A* po = static_cast<A*>(p.part_out) + row0 * p.head_dim_v;
+    A* pm = static_cast<A*>(p.part_ml) + row0;
+    for_each_output(o, inv, i0 + warp * 16, L, p.head_dim_v, lane,
+                    [&](int64_t i, int c, A x) { po[i * p.head_dim_v + c] = x; });
+    if (lane % 4 == 0)
+MHA_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, 2 * r);
+        if (i < L) {
+          pm[i] = m_run[r];
+          pm[rows + i] = l[r];
+        }
+      }
+    return;
+  }
   T* out = static_cast<T*>(p.out) + b * p.out_stride.b + h * p.out_stride.h;
-MHA_UNROLL
-  for (int t = 0; t < kOT; ++t)
-MHA_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, e);
-      const int c = 8 * t + MmaLayout::c_col(lane, e);
-      if (i < L && c < p.head_dim_v) out[i * p.out_stride.row + c * p.out_stride.col] = to_elem<T>(o[t][e] * inv[e / 2]);
-    }
+  for_each_output(o, inv, i0 + warp * 16, L, p.head_dim_v, lane, [&](int64_t i, int c, A x) {
+    out[i * p.out_stride.row + c * p.out_stride.col] = to_elem<T>(x);
+  });
   if (lane % 4 == 0) {
     A* lse = static_cast<A*>(p.lse) + p.lse_index(b, h, 0);
 MHA_UNROLL
@@ -721,6 +757,41 @@ MHA_UNROLL
       if (i < L) lse[i] = l[r] > A(0) ? (m_run[r] + Units::log(l[r])) / Units::kPerNat : (l[r] == l[r] ? A(-INFINITY) : l[r]);
     }
   }
+}
+
+// The forward's key splits merged (AttentionFwdParams::kv_splits > 1), one
+// warp a row (b, h, i), in split order: with M the largest of the splits'
+// maxima m_s and w_s = l_s exp(m_s - M), O = sum_s w_s O_s / sum_s w_s and
+// lse = M + log(sum_s w_s), as the unsplit kernel would have them (its
+// fully masked and NaN rows included: a split that saw no key has m_s =
+// -inf and is skipped; a NaN anywhere in the row makes M NaN).
+template <typename T>
+MHA_KERNEL attention_combine_kernel(const AttentionFwdParams p) {
+  using A = typename AccOf<T>::type;
+  using Units = SoftmaxUnits<A>;
+  const int lane = static_cast<int>(thread_idx().x) % kWarpSize;
+  const int64_t L = p.len_q, rows = p.batch * p.heads_q * L, all = p.kv_splits * rows;
+  const int64_t row = static_cast<int64_t>(block_idx().x) * (block_dim().x / kWarpSize) + thread_idx().x / kWarpSize;
+  if (row >= rows) return;
+  const int64_t bh = row / L, i = row % L, b = bh / p.heads_q, h = bh % p.heads_q;
+  const A* pm = static_cast<const A*>(p.part_ml) + row;
+  const A* po = static_cast<const A*>(p.part_out) + row * p.head_dim_v;
+  A mx = -INFINITY;
+  for (int64_t s = 0; s < p.kv_splits; ++s) mx = nan_max(mx, pm[s * rows]);
+  A total = A(0);
+  for (int64_t s = 0; s < p.kv_splits; ++s)
+    if (pm[s * rows] != A(-INFINITY)) total += pm[all + s * rows] * Units::exp(pm[s * rows] - mx);
+  const A inv = total > A(0) ? A(1) / total : A(0);
+  T* out = static_cast<T*>(p.out) + b * p.out_stride.b + h * p.out_stride.h + i * p.out_stride.row;
+  for (int64_t c = lane; c < p.head_dim_v; c += kWarpSize) {
+    A acc = A(0);
+    for (int64_t s = 0; s < p.kv_splits; ++s)
+      if (pm[s * rows] != A(-INFINITY)) acc += pm[all + s * rows] * Units::exp(pm[s * rows] - mx) * po[s * rows * p.head_dim_v + c];
+    out[c * p.out_stride.col] = to_elem<T>(acc * inv);
+  }
+  if (lane == 0)
+    static_cast<A*>(p.lse)[p.lse_index(b, h, i)] =
+        total > A(0) ? (mx + Units::log(total)) / Units::kPerNat : (total == total ? A(-INFINITY) : total);
 }
 
 // ---------------------------------------------------------------------------

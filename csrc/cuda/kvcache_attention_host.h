@@ -34,7 +34,7 @@ inline std::tuple<at::Tensor, at::Tensor> kvcache_attention_device(
   const simt::Stream stream = current_stream(query);
   dispatch_device_type(query.scalar_type(), "kvcache_attention", [&](auto elem) {
     using T = decltype(elem);
-    check_launch(device::launch_attention_fwd<T>(c.p, stream));
+    launch_forward<T>(c.p, query, stream);
   });
   return {c.out, c.lse};
 }

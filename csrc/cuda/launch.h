@@ -3,7 +3,7 @@
 // build (attention_cuda.cu) and the emulation tests (tests/emul).
 //
 // Instantiations: 4 element types x 3 head dims x 3 kernels (fwd, bwd, bwd_dq)
-// + 4 bwd_dot = 40 per architecture.
+// + 4 bwd_dot + 4 combine = 44 per architecture.
 #pragma once
 
 #include "attention_kernels.h"
@@ -159,27 +159,81 @@ int fwd_warps(int64_t len_q, bool wide_fits) {
   return C::kFwdWideWarps;
 }
 
-template <typename T>
-auto launch_attention_fwd(const AttentionFwdParams& params, Stream stream) {
+// The forward's key splits (AttentionFwdParams::kv_splits), read at each
+// launch from MHA_EXT_CUDA_KV_SPLITS: unset or "auto": where the call's
+// blocks (query blocks x batch x heads) number fewer than twice the GPU's
+// multiprocessors (a decode step has one query block a head), enough splits
+// to make about that many, each of at least kMinSplitTiles key tiles, at
+// most kMaxSplits; "1": never; a number N: N splits (at most one per key
+// tile) wherever splits are allowed. Never for varlen calls (their query
+// rows are packed). The count depends on the shape, the GPU and the setting
+// alone, so a CUDA graph replays the same work. (Chosen without a GPU to
+// measure on: a starting point, not a tuned one.)
+constexpr int64_t kMinSplitTiles = 4, kMaxSplits = 64;
+
+inline int64_t kv_splits_requested() {  // 0: auto
+  const char* v = std::getenv("MHA_EXT_CUDA_KV_SPLITS");
+  const std::string mode = v == nullptr ? "auto" : v;
+  if (mode == "auto") return 0;
+  char* end = nullptr;
+  const long n = std::strtol(mode.c_str(), &end, 10);
+  if (mode.empty() || *end != '\0' || n < 1 || n > kMaxSplits)
+    throw std::invalid_argument("MHA_EXT_CUDA_KV_SPLITS must be \"auto\" or a number from 1 to " +
+                                std::to_string(kMaxSplits) + ", got \"" + mode + "\"");
+  return n;
+}
+
+template <typename T, int kHeadDim>
+int64_t fwd_kv_splits(const AttentionFwdParams& p, int warps) {
+  if (p.cu_seqlens_q != nullptr || p.len_q == 0 || p.len_kv == 0) return 1;
+  const int64_t asked = kv_splits_requested();
+  const int64_t tiles = (p.len_kv + TileConfig<T, kHeadDim>::kFwdBlockN - 1) / TileConfig<T, kHeadDim>::kFwdBlockN;
+  if (asked > 0) return std::min(asked, tiles);
+  const int64_t blocks = row_blocks(p.len_q, 16 * warps) * p.batch * p.heads_q;
+  const int64_t target = 2 * static_cast<int64_t>(multiprocessor_count());
+  if (blocks >= target) return 1;
+  return std::clamp<int64_t>(std::min((target + blocks - 1) / blocks, tiles / kMinSplitTiles), 1, kMaxSplits);
+}
+
+// The forward, and with key splits the combine kernel after it. workspace(n)
+// returns n bytes of device memory for the splits' partial results, valid
+// for work queued on `stream` (torch's caching allocator). `check` receives
+// each launch's status.
+template <typename T, typename Check, typename Workspace>
+void launch_attention_fwd(const AttentionFwdParams& params, Stream stream, Check&& check, Workspace&& workspace) {
   AttentionFwdParams p = params;
   p.scalar_operands = scalar_operands_requested();
   if constexpr (std::is_same_v<T, float>) p.fp32_math = fp32_math_requested();
   const int d = padded_head_dim(p.head_dim, p.head_dim_v);
-  return MHA_HEAD_DIM_SWITCH(d, [&] {
+  MHA_HEAD_DIM_SWITCH(d, [&] {
     using C = TileConfig<T, kHeadDim>;
+    using A = typename AccOf<T>::type;
     // 128-row tiles exist (16-bit types) and the GPU holds them: one device query a launch
     const bool wide_fits =
         C::kFwdWideWarps != C::kFwdWarps && C::fwd_shared_bytes(C::kFwdWideWarps) <= max_shared_per_block();
     const int warps = fwd_warps<T, kHeadDim>(p.len_q, wide_fits);
-    // query blocks on x; the (batch, head) pairs on y, spilling into z past kGridYMax
-    const int64_t bh = p.batch * p.heads_q, y = std::min<int64_t>(bh, kGridYMax);
-    const dim3 grid(row_blocks(p.len_q, 16 * warps), static_cast<unsigned>(y), static_cast<unsigned>((bh + y - 1) / y));
+    p.kv_splits = fwd_kv_splits<T, kHeadDim>(p, warps);
+    const int64_t bh = p.batch * p.heads_q, rows = bh * p.len_q;
+    if (p.kv_splits > 1) {
+      const int64_t parts = p.kv_splits * rows;
+      p.part_out = workspace(static_cast<size_t>(parts * (p.head_dim_v + 2)) * sizeof(A));
+      p.part_ml = static_cast<A*>(p.part_out) + parts * p.head_dim_v;
+    }
+    // query blocks (times the key splits) on x; the (batch, head) pairs on y, spilling into z past kGridYMax
+    const int64_t y = std::min<int64_t>(bh, kGridYMax);
+    const dim3 grid(row_blocks(p.len_q, 16 * warps) * static_cast<unsigned>(p.kv_splits), static_cast<unsigned>(y),
+                    static_cast<unsigned>((bh + y - 1) / y));
     // the kernel's shared-memory limit: the larger size wherever the GPU has
     // it, for both row counts (launch_kernel)
     const int limit = C::fwd_shared_bytes(wide_fits ? C::kFwdWideWarps : C::kFwdWarps);
-    return launch_kernel(attention_fwd_kernel<T, kHeadDim>, grid, dim3(32 * warps),
-                         SharedMemory{static_cast<size_t>(C::fwd_shared_bytes(warps)), static_cast<size_t>(limit)},
-                         stream, p);
+    check(launch_kernel(attention_fwd_kernel<T, kHeadDim>, grid, dim3(32 * warps),
+                        SharedMemory{static_cast<size_t>(C::fwd_shared_bytes(warps)), static_cast<size_t>(limit)},
+                        stream, p));
+    if (p.kv_splits > 1) {
+      constexpr int kCombineWarps = 4;  // a row each
+      check(launch_kernel(attention_combine_kernel<T>, dim3(row_blocks(rows, kCombineWarps)), dim3(32 * kCombineWarps),
+                          0, stream, p));
+    }
   });
 }
 

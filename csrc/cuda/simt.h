@@ -26,6 +26,9 @@
 //   max_shared_per_block()        the current GPU's opt-in shared memory per
 //                                 block in bytes (host side; the emulation
 //                                 answers an H100's 227 KiB)
+//   multiprocessor_count()        the current GPU's streaming multiprocessors
+//                                 (host side; the emulation answers an H100
+//                                 SXM's 132)
 #pragma once
 
 #include <cstddef>
@@ -103,6 +106,14 @@ inline int max_shared_per_block() {
       cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
     return 48 * 1024;  // what every GPU allows; the launch reports the error
   return bytes;
+}
+
+inline int multiprocessor_count() {
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return 1;  // no split of the keys then; the launch reports the error
+  return count;
 }
 
 // Returns the first CUDA error of the attribute call or the launch. The

@@ -24,6 +24,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -326,11 +327,20 @@ void cp_async_wait() {
 using Stream = void*;
 
 inline int max_shared_per_block() { return 227 * 1024; }
+inline int multiprocessor_count() { return 132; }
+
+// The grids launched so far, (x, y, z) each: what the tests read to see
+// which launches a call made (tests/emul: mha_ext_emul::launched_grids).
+inline std::vector<std::array<unsigned, 3>>& launched_grids() {
+  static std::vector<std::array<unsigned, 3>> grids;
+  return grids;
+}
 
 // Runs the kernel under the emulation; returns 0 (no error) to mirror the CUDA form.
 template <typename... KArgs, typename... Args>
 inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t shared_bytes,
                          Stream /*stream*/, Args&&... args) {
+  launched_grids().push_back({grid.x, grid.y, grid.z});
   emul::launch(grid, block, shared_bytes, [&] { kernel(args...); });
   return 0;
 }

@@ -36,7 +36,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_fwd_devic
   const simt::Stream stream = current_stream(query);
   dispatch_device_type(query.scalar_type(), "varlen_attention", [&](auto elem) {
     using T = decltype(elem);
-    check_launch(device::launch_attention_fwd<T>(c.p, stream));
+    launch_forward<T>(c.p, query, stream);
   });
   return {c.out, c.lse, c.rng_state};
 }

@@ -18,6 +18,15 @@ TORCH_LIBRARY(mha_ext_emul, m) {
   m.def(mha_ext::kVarlenAttentionBackwardSchema);
   m.def(mha_ext::kKVCacheAttentionSchema);
   m.def(mha_ext::kDrawRngStateSchema);
+  m.def("launched_grids() -> int[]");  // (x, y, z) of each launch since the last call
+}
+
+// The grids the emulated kernels were launched with since the last call, flat.
+std::vector<int64_t> launched_grids() {
+  std::vector<int64_t> flat;
+  for (const auto& g : mha_ext::simt::launched_grids()) flat.insert(flat.end(), g.begin(), g.end());
+  mha_ext::simt::launched_grids().clear();
+  return flat;
 }
 
 TORCH_LIBRARY_IMPL(mha_ext_emul, CPU, m) {
@@ -28,3 +37,5 @@ TORCH_LIBRARY_IMPL(mha_ext_emul, CPU, m) {
   m.impl("kvcache_attention", &mha_ext::device_host::kvcache_attention_device);
   m.impl("draw_rng_state", &mha_ext::device_host::draw_rng_state_device);
 }
+
+TORCH_LIBRARY_IMPL(mha_ext_emul, CatchAll, m) { m.impl("launched_grids", &launched_grids); }
