@@ -682,3 +682,50 @@ def test_emul_key_splits_setting_is_checked(backend, monkeypatch):
         with pytest.raises((RuntimeError, ValueError),
                            match=f'MHA_EXT_CUDA_KV_SPLITS must be "auto" or a number from 1 to 64, got "{bad}"'):
             backend.attention(q, k, v, None, 0.0, False, None, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_emul_decode_packs_a_gqa_group_into_one_block(backend, dtype, monkeypatch):
+    # One query row a head: the G query heads of a key/value head run as the
+    # rows of one block (the grid covers batch x key/value heads), with the
+    # bits of the unpacked call on K/V repeated per query head and the
+    # reference's values; causal aligned bottom-right (what a KV cache step
+    # passes) bounds nothing there and packs too; a window, ALiBi or dropout
+    # keep a block a query head.
+    monkeypatch.setenv("MHA_EXT_CUDA_KV_SPLITS", "1")
+    torch.manual_seed(5)
+    B, hq, hkv, S = 2, 8, 2, 150
+    q, k, v = make((B, hq, hkv, 1, S, 64, 48), dtype)
+    kr, vr = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    mask = torch.rand(B, hq, 1, S) > 0.2
+    mask[1, 5] = False  # a row that may see no key
+    cases = {"plain": ({}, True), "causal": (dict(is_causal=True), True),
+             "mask and softcap": (dict(mask=mask, softcap=2.0), True), "window": (dict(window=(60, 0)), False),
+             "alibi": (dict(alibi_slopes=torch.linspace(0.05, 0.4, hq)), False),
+             "dropout": (dict(dropout_p=0.3), False)}
+    rng = torch.tensor([4321, 7], dtype=torch.long)
+    for name, (case, packs) in cases.items():
+        win = case.get("window", (-1, -1))
+
+        def call(kk, vv, gqa):
+            args = (q, kk, vv, case.get("mask"), case.get("dropout_p", 0.0), case.get("is_causal", False), None, gqa,
+                    rng, win[0], win[1], True, case.get("softcap", 0.0), case.get("alibi_slopes"))
+            if isinstance(backend, OnCuda):
+                return backend.attention(*args)[:2], None
+            backend.launched_grids()
+            result = backend.attention(*args)[:2]
+            return result, backend.launched_grids()
+
+        (out, lse), grids = call(k, v, True)
+        (out_u, lse_u), grids_u = call(kr, vr, False)
+        if grids is not None:  # one query block; (batch, head) pairs over y (at most 3 here) and z
+            assert grids == ([1, 3, 2] if packs else [1, 3, 6]) and grids_u == [1, 3, 6], (name, grids, grids_u)
+        assert torch.equal(out, out_u) and torch.equal(lse, lse_u), name
+        kw = dict(enable_gqa=True, bottom_right=True, mask=case.get("mask"), is_causal=case.get("is_causal", False),
+                  window=win, softcap=case.get("softcap", 0.0), alibi_slopes=case.get("alibi_slopes"))
+        if "dropout_p" in case:
+            kw.update(keep=R.dropout_keep(4321, 7, (B, hq, 1, S), 0.3), dropout_p=0.3)
+        cpu_out = torch.ops.mha_ext.attention(q, k, v, case.get("mask"), case.get("dropout_p", 0.0),
+                                              case.get("is_causal", False), None, True, rng, win[0], win[1], True,
+                                              case.get("softcap", 0.0), case.get("alibi_slopes"))[0]
+        assert_all_like_cpu(out, cpu_out, references(q, k, v, **kw), dtype)

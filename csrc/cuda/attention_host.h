@@ -102,12 +102,41 @@ void check_launch(Status status) {
 #endif
 }
 
+// A decode step's GQA group as the query rows of one block, as
+// FlashAttention's decoding does: with one query row a head, query heads
+// hk G .. hk G + G - 1 become rows 0 .. G - 1 of key/value head hk, so that
+// each K/V tile is read once a group instead of once a query head. Their q,
+// out, mask and lse entries stay where they are (the head stride becomes
+// the row stride; lse's rows are 1 apart). Only where nothing else depends
+// on a row's index or head: no ALiBi, no dropout, and no bound on the keys
+// (with one row aligned bottom-right, causal bounds nothing: that row's
+// diagonal is the last key). Returns whether it packed.
+inline bool pack_gqa_rows(AttentionFwdParams& p) {
+  AttentionVariant v = p.variant;
+  if (v.bottom_right && p.len_q == 1 && v.left < 0) v.right = -1;
+  if (p.len_q != 1 || p.heads_kv <= 0 || p.group_size() <= 1 || p.cu_seqlens_q != nullptr || p.dropout.enabled() ||
+      v.alibi != nullptr || v.limits_keys() || p.lse_stride_h != 1)
+    return false;
+  const int64_t G = p.group_size();
+  auto pack = [G](Strides4& st) { st = Strides4{st.b, G * st.h, st.h, st.col}; };
+  pack(p.q_stride);
+  pack(p.out_stride);
+  pack(p.mask_stride);
+  p.variant = v;
+  p.lse_stride_h = G;
+  p.heads_q = p.heads_kv;
+  p.len_q = G;
+  p.variant.diag_offset = v.bottom_right ? p.len_kv - G : 0;  // bounds nothing (above)
+  return true;
+}
+
 // The forward's launches (device::launch_attention_fwd) for element type T,
-// their workspace (the key splits' partial results) from torch's allocator
+// a decode step's GQA group packed (pack_gqa_rows), their workspace (the key splits' partial results) from torch's allocator
 // on query's device, released when the call returns: the caching allocator
 // hands it out again only to work queued after these kernels on the stream.
 template <typename T>
-void launch_forward(const AttentionFwdParams& p, const at::Tensor& query, simt::Stream stream) {
+void launch_forward(AttentionFwdParams p, const at::Tensor& query, simt::Stream stream) {
+  pack_gqa_rows(p);
   at::Tensor workspace;
   device::launch_attention_fwd<T>(p, stream, [](auto status) { check_launch(status); }, [&](size_t bytes) {
     workspace = at::empty({static_cast<int64_t>(bytes)}, query.options().dtype(at::kByte));
