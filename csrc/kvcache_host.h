@@ -24,11 +24,42 @@
 #include <ATen/ops/index_put.h>
 #include <ATen/ops/remainder.h>
 
+#include <cstring>
+
 namespace mha_ext {
 
 // (B, X, H, D) as the kernels' (b, h, row, col) view
 inline Strides4 bshd_strides(const at::Tensor& t) {
   return Strides4{t.stride(0), t.stride(2), t.stride(1), t.stride(3)};
+}
+
+// The new rows of `src` (B, L_new, Hkv, D) written into `cache` at rows
+// seqlens[b] .. (paged: row j of batch b in block table[b, j / block_size]),
+// on the CPU: a copy of D elements per (batch, row, head), where index_put_
+// dispatched a dozen ops per call (seqlens and the table are on the host,
+// already checked).
+inline void write_rows_cpu(at::Tensor& cache, const at::Tensor& src, const int32_t* seqlens, const int32_t* table,
+                           int64_t table_width, int64_t block_size) {
+  const int64_t B = src.size(0), L = src.size(1), H = src.size(2), D = src.size(3), elem = src.element_size();
+  char* dst = static_cast<char*>(cache.data_ptr());
+  const char* from = static_cast<const char*>(src.const_data_ptr());
+  const bool whole = cache.stride(3) == 1 && src.stride(3) == 1;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < L; ++t) {
+      const int64_t row = seqlens[b] + t;
+      const int64_t blk = table != nullptr ? table[b * table_width + row / block_size] : b;
+      const int64_t r = table != nullptr ? row % block_size : row;
+      for (int64_t h = 0; h < H; ++h) {
+        char* d = dst + (blk * cache.stride(0) + r * cache.stride(1) + h * cache.stride(2)) * elem;
+        const char* f = from + (b * src.stride(0) + t * src.stride(1) + h * src.stride(2)) * elem;
+        if (whole) {
+          std::memcpy(d, f, static_cast<size_t>(D * elem));
+        } else {
+          for (int64_t e = 0; e < D; ++e)
+            std::memcpy(d + e * cache.stride(3) * elem, f + e * src.stride(3) * elem, static_cast<size_t>(elem));
+        }
+      }
+    }
 }
 
 struct KVCacheCall {
@@ -42,13 +73,23 @@ struct KVCacheCall {
 inline KVCacheCall prepare_kvcache(const at::Tensor& query, at::Tensor& k_cache, at::Tensor& v_cache,
                                    const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
                                    const std::optional<at::Tensor>& v_new, std::optional<double> scale,
-                                   const VariantArgs& va, const std::optional<at::Tensor>& block_table) {
+                                   const VariantArgs& va, const std::optional<at::Tensor>& block_table,
+                                   bool copy_rows_on_host) {
   KVCacheCall c;
   c.s = check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table);
   check_variant(c.s, query, va.window_left, va.window_right, va.softcap, va.alibi_slopes);
   const KVCacheShape& s = c.s;
+  // the new rows: by write_rows_cpu (the CPU backend), else by index_put_
+  // (the CUDA backend, and its emulation on CPU tensors)
+  if (k_new.has_value() && s.len_new > 0 && copy_rows_on_host) {
+    const at::Tensor seqlens = cache_seqlens.contiguous();
+    const at::Tensor table = block_table.has_value() ? block_table->contiguous() : at::Tensor();
+    const int32_t* t = table.defined() ? table.const_data_ptr<int32_t>() : nullptr;
+    write_rows_cpu(k_cache, *k_new, seqlens.const_data_ptr<int32_t>(), t, t ? table.size(1) : 0, s.block_size);
+    write_rows_cpu(v_cache, *v_new, seqlens.const_data_ptr<int32_t>(), t, t ? table.size(1) : 0, s.block_size);
+  }
   const at::Tensor start = cache_seqlens.to(at::kLong);
-  if (k_new.has_value() && s.len_new > 0) {  // rows cache_seqlens[b] + t, in place
+  if (k_new.has_value() && s.len_new > 0 && !copy_rows_on_host) {  // rows cache_seqlens[b] + t, in place
     // index_put_ rather than scatter_: torch's CPU scatter_ of bfloat16 took
     // 1.5 ms for one (4, 1, 8, 128) step (float32: 0.013), index_put_ 0.012
     at::Tensor rows = start.view({s.batch, 1}).add(at::arange(s.len_new, start.options()));

@@ -149,6 +149,24 @@ def test_kvcache_strided_query_and_cache_views():
     ref, _ = _reference(q, kc, vc, sl, kn, vn, is_causal=True)
     torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
     assert torch.equal(big[1, 100:103, :, :16], kn[1]) and torch.equal(big[1, 100:103, :, 16:], vn[1])
+    # every column strided: new rows and caches at a column stride of 2
+    q, kc, vc, sl, kn, vn = _make(L=3, seed=1)
+    wide = torch.zeros(3, 300, 2, 80)
+    wide[..., 0:32:2], wide[..., 32:80:2] = kc, vc
+    kv, vv = wide[..., 0:32:2], wide[..., 32:80:2]
+    new = torch.zeros(3, 3, 2, 80)
+    new[..., 1:33:2], new[..., 33:81:2] = kn, vn
+    knew, vnew = new[..., 1:33:2], new[..., 33:81:2]
+    assert kv.stride(-1) == vv.stride(-1) == knew.stride(-1) == vnew.stride(-1) == 2
+    out, lse = _run(q, kv, vv, sl, knew, vnew, is_causal=True)
+    ref, _ = _reference(q, kc, vc, sl, kn, vn, is_causal=True)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    for b in range(3):  # the new rows written, every other entry of the buffer as it was
+        n = int(sl[b])
+        want = torch.zeros(300, 2, 80)
+        want[:, :, 0:32:2], want[:, :, 32:80:2] = kc[b], vc[b]
+        want[n:n + 3, :, 0:32:2], want[n:n + 3, :, 32:80:2] = kn[b], vn[b]
+        assert torch.equal(wide[b], want)
 
 
 def test_kvcache_opcheck_and_compile():

@@ -41,7 +41,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attention_cpu(
     const std::optional<at::Tensor>& alibi_slopes,  // (Hq) or (B, Hq)
     const std::optional<at::Tensor>& block_table) {  // (B, max_blocks) int32: paged caches
   const VariantArgs va{is_causal, window_left, window_right, true, softcap, alibi_slopes};
-  KVCacheCall c = prepare_kvcache(query, k_cache, v_cache, cache_seqlens, k_new, v_new, scale, va, block_table);
+  KVCacheCall c = prepare_kvcache(query, k_cache, v_cache, cache_seqlens, k_new, v_new, scale, va, block_table,
+                                  true);
   if (!c.has_rows) return {c.out, c.lse};
   AttentionFwdParams& p = c.p;
   if (p.block_table != nullptr && !use_decode_kernel(p)) {

@@ -27,7 +27,8 @@ inline std::tuple<at::Tensor, at::Tensor> kvcache_attention_device(
 #if defined(__CUDACC__)
   const c10::cuda::CUDAGuard guard(query.device());
 #endif
-  KVCacheCall c = prepare_kvcache(query, k_cache, v_cache, cache_seqlens, k_new, v_new, scale, va, block_table);
+  KVCacheCall c = prepare_kvcache(query, k_cache, v_cache, cache_seqlens, k_new, v_new, scale, va, block_table,
+                                  false);
   if (!c.has_rows) return {c.out, c.lse};
   check_device_limits(c.s);
   check_gpu(query, c.s);
