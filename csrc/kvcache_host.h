@@ -18,6 +18,7 @@
 
 #include "host_common.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/gather.h>
@@ -25,6 +26,7 @@
 #include <ATen/ops/remainder.h>
 
 #include <cstring>
+#include <utility>
 
 namespace mha_ext {
 
@@ -82,6 +84,16 @@ inline KVCacheCall prepare_kvcache(const at::Tensor& query, at::Tensor& k_cache,
   // the new rows: by write_rows_cpu (the CPU backend), else by index_put_
   // (the CUDA backend, and its emulation on CPU tensors)
   if (k_new.has_value() && s.len_new > 0 && copy_rows_on_host) {
+    // what index_put_ checks and does besides the copy: no overlap of the
+    // written cache with itself or with its new rows (before anything is
+    // written), and each cache's version counter bumped (autograd's check of
+    // saved tensors; an inference tensor outside inference mode raises)
+    for (const auto& [cache, src] : {std::pair{&k_cache, &*k_new}, std::pair{&v_cache, &*v_new}}) {
+      at::assert_no_internal_overlap(*cache);
+      at::assert_no_overlap(*cache, *src);
+    }
+    k_cache.unsafeGetTensorImpl()->bump_version();
+    v_cache.unsafeGetTensorImpl()->bump_version();
     const at::Tensor seqlens = cache_seqlens.contiguous();
     const at::Tensor table = block_table.has_value() ? block_table->contiguous() : at::Tensor();
     const int32_t* t = table.defined() ? table.const_data_ptr<int32_t>() : nullptr;

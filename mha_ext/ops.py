@@ -30,8 +30,10 @@ def run_op(op, *args):
     grad. That is the choice torch's own autograd kernel of a custom op makes
     (it redispatches below autograd there), taken before the dispatcher's
     round trip through that kernel, which cost 5 us of a 12 us call on a
-    decode step. Under torch.compile / export the op is traced as it is."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
+    decode step. Under torch.compile / export, and for tensors or modes with
+    __torch_function__, the op is called as it is."""
+    if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args))
+            or torch._C._has_torch_function(args) or torch._C._is_torch_function_mode_enabled()):
         return op(*args)
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args)

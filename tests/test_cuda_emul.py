@@ -729,3 +729,21 @@ def test_emul_decode_packs_a_gqa_group_into_one_block(backend, dtype, monkeypatc
                                               case.get("is_causal", False), None, True, rng, win[0], win[1], True,
                                               case.get("softcap", 0.0), case.get("alibi_slopes"))[0]
         assert_all_like_cpu(out, cpu_out, references(q, k, v, **kw), dtype)
+
+
+def test_emul_key_splits_keep_a_nan_behind_masked_scores(backend, monkeypatch):
+    # A NaN value row at a masked key reaches its row (P = 0, 0 x NaN), in the
+    # unsplit kernel and on the CPU; with the keys split, the run holding it
+    # saw no key at all and weighs 0 in the merge, and its NaN still arrives.
+    q, k, v = make((1, 2, 2, 1, 300, 64, 64), torch.float32)
+    v[0, 0, 100] = float("nan")
+    mask = torch.ones(1, 1, 1, 300, dtype=torch.bool)
+    mask[..., 64:200] = False
+    args = (q, k, v, mask, 0.0, False, None, False)
+    cpu = torch.ops.mha_ext.attention(*args)[0]
+    assert torch.isnan(cpu[0, 0]).all() and not torch.isnan(cpu[0, 1]).any()
+    for splits in ("1", "3", "5"):
+        monkeypatch.setenv("MHA_EXT_CUDA_KV_SPLITS", splits)
+        out = backend.attention(*args)[0]
+        assert torch.equal(torch.isnan(out), torch.isnan(cpu)), splits
+        torch.testing.assert_close(out[0, 1], cpu[0, 1], rtol=1e-5, atol=1e-5)

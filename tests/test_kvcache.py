@@ -229,3 +229,21 @@ def test_kvcache_fake_kernel_says_the_same(name):
         f = {k: (mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
         with pytest.raises(RuntimeError, match=pattern):
             op.kvcache_attention(f["q"], f["kc"], f["vc"], f["sl"], f["kn"], f["vn"])
+
+
+def test_kvcache_writes_bump_versions_and_refuse_overlap():
+    # as index_put_ (torch's own in-place write): each cache's version counter
+    # moves, and new rows that are a view of the cache they go to are torch's
+    # error, raised before anything is written
+    q, kc, vc, sl, kn, vn = _make(B=1, L=1, seqlens=(100,))
+    v0 = (kc._version, vc._version)
+    _run(q, kc, vc, sl, kn, vn)
+    assert kc._version > v0[0] and vc._version > v0[1]
+    kc0, vc0 = kc.clone(), vc.clone()
+    rows = (torch.tensor([[0]]), torch.tensor([[101]]))
+    with pytest.raises(RuntimeError, match="refer to a single memory location") as theirs:
+        kc.index_put_(rows, kc[:, 5:6])
+    with pytest.raises(RuntimeError, match="refer to a single memory location") as ours:
+        _run(q, kc, vc, sl + 1, kc[:, 5:6], vn)
+    assert str(ours.value) == str(theirs.value)
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)

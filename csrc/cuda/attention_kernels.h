@@ -764,7 +764,7 @@ MHA_UNROLL
 // maxima m_s and w_s = l_s exp(m_s - M), O = sum_s w_s O_s / sum_s w_s and
 // lse = M + log(sum_s w_s), as the unsplit kernel would have them (its
 // fully masked and NaN rows included: a split that saw no key has m_s =
-// -inf and is skipped; a NaN anywhere in the row makes M NaN).
+// -inf and weight 0; a NaN score anywhere in the row makes M NaN).
 template <typename T>
 MHA_KERNEL attention_combine_kernel(const AttentionFwdParams p) {
   using A = typename AccOf<T>::type;
@@ -778,15 +778,19 @@ MHA_KERNEL attention_combine_kernel(const AttentionFwdParams p) {
   const A* po = static_cast<const A*>(p.part_out) + row * p.head_dim_v;
   A mx = -INFINITY;
   for (int64_t s = 0; s < p.kv_splits; ++s) mx = nan_max(mx, pm[s * rows]);
+  // split s's weight; 0 for a split that saw no key, whose O (0, or NaN from
+  // a NaN value row behind masked scores) still counts as the unsplit sum would
+  auto weight = [&](int64_t s) {
+    const A m = pm[s * rows];
+    return m == A(-INFINITY) ? A(0) : pm[all + s * rows] * Units::exp(m - mx);
+  };
   A total = A(0);
-  for (int64_t s = 0; s < p.kv_splits; ++s)
-    if (pm[s * rows] != A(-INFINITY)) total += pm[all + s * rows] * Units::exp(pm[s * rows] - mx);
+  for (int64_t s = 0; s < p.kv_splits; ++s) total += weight(s);
   const A inv = total > A(0) ? A(1) / total : A(0);
   T* out = static_cast<T*>(p.out) + b * p.out_stride.b + h * p.out_stride.h + i * p.out_stride.row;
   for (int64_t c = lane; c < p.head_dim_v; c += kWarpSize) {
     A acc = A(0);
-    for (int64_t s = 0; s < p.kv_splits; ++s)
-      if (pm[s * rows] != A(-INFINITY)) acc += pm[all + s * rows] * Units::exp(pm[s * rows] - mx) * po[s * rows * p.head_dim_v + c];
+    for (int64_t s = 0; s < p.kv_splits; ++s) acc += weight(s) * po[s * rows * p.head_dim_v + c];
     out[c * p.out_stride.col] = to_elem<T>(acc * inv);
   }
   if (lane == 0)

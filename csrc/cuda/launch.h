@@ -165,8 +165,8 @@ int fwd_warps(int64_t len_q, bool wide_fits) {
 // multiprocessors (a decode step has one query block a head), enough splits
 // to make about that many, each of at least kMinSplitTiles key tiles, at
 // most kMaxSplits; "1": never; a number N: N splits (at most one per key
-// tile) wherever splits are allowed. Never for varlen calls (their query
-// rows are packed). The count depends on the shape, the GPU and the setting
+// tile) where "auto" would consider splitting (fewer blocks than twice the
+// multiprocessors). Never for varlen calls (their query rows are packed). The count depends on the shape, the GPU and the setting
 // alone, so a CUDA graph replays the same work. (Chosen without a GPU to
 // measure on: a starting point, not a tuned one.)
 constexpr int64_t kMinSplitTiles = 4, kMaxSplits = 64;
@@ -188,10 +188,10 @@ int64_t fwd_kv_splits(const AttentionFwdParams& p, int warps) {
   if (p.cu_seqlens_q != nullptr || p.len_q == 0 || p.len_kv == 0) return 1;
   const int64_t asked = kv_splits_requested();
   const int64_t tiles = (p.len_kv + TileConfig<T, kHeadDim>::kFwdBlockN - 1) / TileConfig<T, kHeadDim>::kFwdBlockN;
-  if (asked > 0) return std::min(asked, tiles);
   const int64_t blocks = row_blocks(p.len_q, 16 * warps) * p.batch * p.heads_q;
   const int64_t target = 2 * static_cast<int64_t>(multiprocessor_count());
-  if (blocks >= target) return 1;
+  if (blocks >= target) return 1;  // the GPU is full (and a long query's workspace would be large)
+  if (asked > 0) return std::min(asked, tiles);
   return std::clamp<int64_t>(std::min((target + blocks - 1) / blocks, tiles / kMinSplitTiles), 1, kMaxSplits);
 }
 
