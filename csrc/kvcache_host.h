@@ -100,8 +100,8 @@ inline KVCacheCall prepare_kvcache(const at::Tensor& query, at::Tensor& k_cache,
     write_rows_cpu(k_cache, *k_new, seqlens.const_data_ptr<int32_t>(), t, t ? table.size(1) : 0, s.block_size);
     write_rows_cpu(v_cache, *v_new, seqlens.const_data_ptr<int32_t>(), t, t ? table.size(1) : 0, s.block_size);
   }
-  const at::Tensor start = cache_seqlens.to(at::kLong);
   if (k_new.has_value() && s.len_new > 0 && !copy_rows_on_host) {  // rows cache_seqlens[b] + t, in place
+    const at::Tensor start = cache_seqlens.to(at::kLong);
     // index_put_ rather than scatter_: torch's CPU scatter_ of bfloat16 took
     // 1.5 ms for one (4, 1, 8, 128) step (float32: 0.013), index_put_ 0.012
     at::Tensor rows = start.view({s.batch, 1}).add(at::arange(s.len_new, start.options()));
@@ -127,7 +127,16 @@ inline KVCacheCall prepare_kvcache(const at::Tensor& query, at::Tensor& k_cache,
   fill_scalars(p, s, query, 0.0, va, scale, std::nullopt, c.keep_alive);
   p.lse_stride_b = s.heads_q * s.len_q;  // lse (B, Hq, Lq), contiguous
   p.lse_stride_h = s.len_q;
-  const at::Tensor keys = start.add(s.len_new).to(at::kInt).contiguous();  // keys of batch b
+  // keys of batch b: cache_seqlens[b] + L_new (on the CPU filled in place, no dispatched ops)
+  at::Tensor keys;
+  if (cache_seqlens.device().is_cpu()) {
+    keys = at::empty({s.batch}, cache_seqlens.options());
+    const at::Tensor seqlens = cache_seqlens.contiguous();
+    for (int64_t b = 0; b < s.batch; ++b)
+      keys.data_ptr<int32_t>()[b] = seqlens.const_data_ptr<int32_t>()[b] + static_cast<int32_t>(s.len_new);
+  } else {
+    keys = cache_seqlens.add(s.len_new).contiguous();
+  }
   p.seqlens_k = keys.const_data_ptr<int32_t>();
   p.out = c.out.data_ptr();
   p.out_stride = bshd_strides(c.out);
