@@ -41,6 +41,26 @@ inline std::vector<int64_t> with_batch(const AttentionShape& s, std::initializer
   return v;
 }
 
+// An output (N, Hq, L, Ev) whose leading dims lie in memory in the order of
+// query's strides, as torch's fused SDPA allocates its output: a query that is
+// a view of (N, L, Hq * E) gives an output that is a view of (N, L, Hq * Ev),
+// which a transformers backend's out.transpose(1, 2).contiguous() and the
+// output projection then take without a copy. Dims of size 1 or stride 0 stay
+// where they are; other ranks (torch's fallback) get a contiguous output.
+inline at::Tensor empty_in_query_order(const at::Tensor& query, const std::vector<int64_t>& sizes) {
+  if (query.dim() != 4 || sizes.size() != 4) return at::empty(sizes, query.options());
+  std::vector<int64_t> slots;  // the dims that take part, in their logical order
+  for (int64_t d = 0; d < 3; ++d)
+    if (query.size(d) > 1 && query.stride(d) > 0) slots.push_back(d);
+  std::vector<int64_t> order = slots;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return query.stride(a) > query.stride(b); });
+  std::vector<int64_t> perm = {0, 1, 2, 3};  // perm[m]: the logical dim at memory position m
+  for (size_t i = 0; i < slots.size(); ++i) perm[slots[i]] = order[i];
+  std::vector<int64_t> mem_sizes(4), inv(4);
+  for (int64_t m = 0; m < 4; ++m) mem_sizes[m] = sizes[perm[m]], inv[perm[m]] = m;
+  return at::empty(mem_sizes, query.options()).permute(inv);
+}
+
 inline at::ScalarType acc_type_of(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
 }
@@ -187,7 +207,7 @@ ForwardCall prepare_forward(const at::Tensor& query, const at::Tensor& key, cons
     c.rng_state = no_rng_state(query);
   }
   const AttentionShape& s = c.s;
-  c.out = at::empty(with_batch(s, {s.heads_q, s.len_q, s.head_dim_v}), query.options());
+  c.out = empty_in_query_order(query, with_batch(s, {s.heads_q, s.len_q, s.head_dim_v}));
   c.lse = at::empty(with_batch(s, {s.heads_q, s.len_q}), query.options().dtype(acc_type_of(query.scalar_type())));
   c.has_rows = s.batch * s.heads_q * s.len_q > 0;
   if (!c.has_rows) return c;

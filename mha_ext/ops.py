@@ -172,6 +172,23 @@ def _check_same_shape(name, t, expected, like, dtype=None):
 # Fake kernels
 
 
+def _empty_in_query_order(query, shape):
+    """As the kernels allocate out (host_common.h, empty_in_query_order): a 4-D
+    output's leading dims in memory in the order of query's strides (dims of
+    size 1 or stride 0 in place), as torch's fused SDPA; other ranks contiguous."""
+    if query.dim() != 4 or len(shape) != 4:
+        return query.new_empty(shape)
+    slots = [d for d in range(3) if query.shape[d] > 1 and query.stride(d) > 0]
+    order = sorted(slots, key=lambda d: -query.stride(d))  # stable, as std::stable_sort
+    perm = [0, 1, 2, 3]
+    for slot, d in zip(slots, order):
+        perm[slot] = d
+    inv = [0] * 4
+    for m, d in enumerate(perm):
+        inv[d] = m
+    return query.new_empty([shape[d] for d in perm]).permute(inv)
+
+
 @torch.library.register_fake("mha_ext::attention")
 def _attention_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False, rng_state=None, window_left=-1, window_right=-1, bottom_right=False,
@@ -181,7 +198,7 @@ def _attention_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     given = dropout_p > 0.0 and rng_state is not None
     if given:
         check_rng_state(rng_state, query.device, L)
-    out = query.new_empty(batch + (hq, L, ev))
+    out = _empty_in_query_order(query, batch + (hq, L, ev))
     lse = query.new_empty(batch + (hq, L), dtype=_acc_dtype(query.dtype))
     # a copy of the given rng_state, else one on query's device (drawn, or zeros without dropout)
     rng = torch.empty(rng_state.shape if given else 2, dtype=torch.int64,

@@ -167,3 +167,31 @@ def test_calls_without_autograd_skip_it_and_calls_with_it_keep_it(requires):
         (mine,) = torch.autograd.grad(ours, leaf, g)
         (ref,) = torch.autograd.grad(theirs, leaf, g)
         torch.testing.assert_close(mine, ref)
+
+
+def _views():
+    # query / key / value as models hand them over: contiguous; (N, L, H * D) viewed as (N, H, L, D)
+    # (transformers); (L, N, H * D) as (N, H, L, D) (nn.MultiheadAttention's sequence-first layout);
+    # 3-D and 5-D (torch returns those contiguous)
+    r = lambda *s: torch.randn(*s)
+    return {
+        "contiguous": lambda: r(2, 3, 5, 8),
+        "n_l_hd": lambda: r(2, 5, 3, 8).transpose(1, 2),
+        "l_n_hd": lambda: r(5, 2, 3, 8).permute(1, 2, 0, 3),
+        "h_n_l": lambda: r(3, 2, 5, 8).transpose(0, 1),
+        "3d": lambda: r(3, 5, 8),
+        "5d": lambda: r(2, 2, 3, 5, 8),
+    }
+
+
+@pytest.mark.parametrize("layout", list(_views()))
+def test_output_lies_in_memory_as_torchs_output(layout):
+    # the output's memory order follows the query's, as torch's: a transformers backend's
+    # out.transpose(1, 2).contiguous() is then no copy; so does the fake kernel's
+    q, k, v = (_views()[layout]() for _ in range(3))
+    ours = mha_ext.scaled_dot_product_attention(q, k, v)
+    theirs = F.scaled_dot_product_attention(q, k, v)
+    assert ours.stride() == theirs.stride()
+    torch.testing.assert_close(ours, theirs)
+    meta = mha_ext.scaled_dot_product_attention(*(t.to("meta") for t in (q, k, v)))
+    assert meta.stride() == theirs.stride()

@@ -32,6 +32,18 @@ for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16
     q, k, v = torch.randn(2, 8, 2, 40).to(dtype), torch.randn(2, 2, 700, 40).to(dtype), torch.randn(2, 2, 700, 24).to(dtype)
     out = torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, True)[0]
     torch.testing.assert_close(out.double(), R.attention(q, k, v, enable_gqa=True), rtol=tol, atol=tol)
+# masks applied in place on every path: bool and float (-inf, a row of -inf, finfo.min entries)
+# with a row left with no key, on a ragged last column block (37 keys) and on the decode path's rows
+for L, S in ((37, 37), (3, 300)):
+    q, k, v = torch.randn(2, 4, L, 40), torch.randn(2, 4, S, 40), torch.randn(2, 4, S, 24)
+    b = torch.rand(2, 1, L, S) > 0.3
+    b[0, 0, 1] = False
+    f = torch.randn(2, 1, L, S).masked_fill(torch.rand(2, 1, L, S) > 0.8, float("-inf"))
+    f[1, 0, 2, ::3] = torch.finfo(torch.float32).min
+    f[0, 0, 1] = float("-inf")  # no key left: 0, where a clamped -inf would give the mean of v
+    for m in (b, f):
+        out = torch.ops.mha_ext.attention(q, k, v, m, 0.0, False, None, False)[0]
+        torch.testing.assert_close(out.double(), R.attention(q, k, v, attn_mask=m), rtol=2e-5, atol=2e-5)
 print("ok")
 """
 

@@ -41,6 +41,11 @@ void gemm(int64_t M, int64_t N, int64_t K, double alpha, const double* a, int64_
 // Row primitives of the softmax, on the same run-time instruction-set choice.
 // max over x[0..n) ignoring NaN (-inf for n == 0)
 float row_max(const float* x, int64_t n);
+// The mask of a score row in the kernel's units (transform_row): s[c] =
+// keep[c] ? s[c] : -inf, or s[c] += mask_in_units(m[c], unit); false (nothing
+// written) where the path in use has no such routine
+bool mask_bool(float* s, const uint8_t* keep, int64_t n);
+bool mask_add(float* s, const float* m, int64_t n, float unit);
 // Dropout keep bits of 64 * blocks consecutive columns starting at column
 // 4 * group0 of attention row `row`: keep[t] = word (t % 4) of
 // Philox4x32-10(seed, counter = (group0 + t / 4, row)) >= threshold

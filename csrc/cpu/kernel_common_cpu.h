@@ -297,12 +297,12 @@ inline T mask_in_units(T mv, T unit) {
 
 // s[c] += mask_in_units(m[c]) over contiguous float mask columns, cloned per
 // instruction set (the generic loop in transform_row ran 4 lanes wide and cost a
-// third of a masked forward).
+// third of a masked forward); on AVX-512, cpu::mask_add instead.
 MHA_CPU_CLONES void add_float_mask_f(float* s, const float* m, int64_t n, float unit) {
   for (int64_t c = 0; c < n; ++c) s[c] += mask_in_units(m[c], unit);
 }
 
-// s[c] = keep[c] ? s[c] : -inf, contiguous bool mask columns
+// s[c] = keep[c] ? s[c] : -inf, contiguous bool mask columns (cpu::mask_bool on AVX-512)
 MHA_CPU_CLONES void apply_bool_mask_f(float* s, const bool* m, int64_t n) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int64_t c = 0; c < n; ++c) s[c] = m[c] ? s[c] : kNegInf;
@@ -335,7 +335,10 @@ void transform_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i,
       const bool* m = static_cast<const bool*>(p.mask) + off;
       bool done = false;  // contiguous columns: the cloned loop
       if constexpr (std::is_same_v<acc_t, float>) {
-        if (cs == 1) apply_bool_mask_f(s, m, n), done = true;
+        if (cs == 1) {
+          if (!cpu::mask_bool(s, reinterpret_cast<const uint8_t*>(m), n)) apply_bool_mask_f(s, m, n);
+          done = true;
+        }
       }
       if (!done)
         for (int64_t c = 0; c < n; ++c) s[c] = m[c * cs] ? s[c] : kNegInf;
@@ -343,7 +346,10 @@ void transform_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i,
       const scalar_t* m = static_cast<const scalar_t*>(p.mask) + off;
       bool done = false;
       if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
-        if (cs == 1) add_float_mask_f(s, m, n, unit), done = true;
+        if (cs == 1) {
+          if (!cpu::mask_add(s, m, n, unit)) add_float_mask_f(s, m, n, unit);
+          done = true;
+        }
       }
       if (!done)
         for (int64_t c = 0; c < n; ++c) s[c] += mask_in_units(static_cast<acc_t>(m[c * cs]), unit);
