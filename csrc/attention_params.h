@@ -215,9 +215,10 @@ struct AttentionBwdParams : AttentionFwdParams {
   // CUDA only, contiguous, accumulation type (float; double for double):
   void* row_dot = nullptr;         // (B, Hq, L): D = rowsum(dO * O)
   void* grad_q_accum = nullptr;    // grad_q's layout (strides) zeroed, dQ added atomically; null: deterministic dQ kernel
-  // (B, Hq, L): P = exp(min(score - row_shift, 0) - row_log_norm). The dot
-  // kernel writes lse and 0, or for rows lse_needs_exact_stats picks the
-  // row's max and log(row sum).
+  // (B, Hq, L): P = exp(min(score - row_shift, 0) - row_log_norm) in the
+  // forward's softmax units (float: base 2, score and shift times log2(e),
+  // exp2). The dot kernel writes lse and 0, or for rows lse_needs_exact_stats
+  // picks the row's max and log(row sum).
   void* row_shift = nullptr;
   void* row_log_norm = nullptr;
   Strides4 grad_out_stride;

@@ -802,7 +802,8 @@ MHA_KERNEL attention_combine_kernel(const AttentionFwdParams p) {
 // Backward, shared by the key-block kernel and the dQ kernel: the probability
 // (after dropout) and dS of element (i, j) from its raw score s and dP, with
 // the row's shift and log_norm (AttentionBwdParams::row_shift: lse and 0, or
-// the row's exact max and log(sum)); the min keeps P <= 1 where the row
+// the row's exact max and log(sum), in the forward's softmax units: base 2 in
+// float, as the forward's exponentials); the min keeps P <= 1 where the row
 // statistics and this score were summed in different orders.
 // The mask gradient (dS itself) goes to grad_mask when that is not null.
 // In an interior tile (interior_tile) the score is only scaled. keep: the
@@ -812,9 +813,10 @@ MHA_DEVICE void prob_and_grad(const AttentionBwdParams& p, int64_t b, int64_t h,
                               A shift, A log_norm, A d, bool interior, bool keep, A* grad_mask, A& prob, A& ds) {
   prob = A(0);
   ds = A(0);
+  using Units = SoftmaxUnits<A>;  // the forward's units (exp2 in float), shift and log_norm in them too
   if (shift == A(-INFINITY) || (!interior && (i >= p.len_q || j >= p.len_kv))) return;  // fully masked row: no gradient
-  const A x = (interior ? s * static_cast<A>(p.scale) : masked_score<T>(p, b, h, i, j, s)) - shift;
-  A pr = fexp((x < A(0) ? x : A(0)) - log_norm);
+  const A x = Units::from_nats(interior ? s * static_cast<A>(p.scale) : masked_score<T>(p, b, h, i, j, s)) - shift;
+  A pr = Units::exp((x < A(0) ? x : A(0)) - log_norm);
   if (p.dropout.enabled()) {
     // O = sum_j P_j z_j V_j / (1 - p): dP_j picks up z_j / (1 - p), and dV takes the dropped P.
     const A rescale = static_cast<A>(p.dropout.rescale);
@@ -850,6 +852,7 @@ constexpr int kDotRows = 16;
 template <typename T>
 MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams params) {
   using A = typename AccOf<T>::type;
+  using Units = SoftmaxUnits<A>;
   const int lane = static_cast<int>(thread_idx().x) % kWarpSize, warp = static_cast<int>(thread_idx().x) / kWarpSize;
   const int warps = static_cast<int>(block_dim().x) / kWarpSize;
   const int64_t bh = block_idx().x, b = bh / params.heads_q, h = bh % params.heads_q;
@@ -865,16 +868,18 @@ MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams params) {
     for (int m = 16; m > 0; m /= 2) sum += shfl_xor(sum, m);
     if (i >= p.len_q) continue;  // the same for the whole warp
     const A lse = static_cast<const A*>(p.lse)[p.lse_index(b, h, i)];
-    A shift = lse, log_norm = A(0);
+    A shift = lse * Units::kPerNat, log_norm = A(0);  // |lse| < 256 here unless exact: no overflow
     if (lse_needs_exact_stats(lse)) {
       A mx = A(-INFINITY), l = A(0);
-      for (int64_t j = lane; j < p.len_kv; j += kWarpSize) mx = nan_max(mx, row_score<T, A>(p, b, h, i, j));
+      for (int64_t j = lane; j < p.len_kv; j += kWarpSize)
+        mx = nan_max(mx, Units::from_nats(row_score<T, A>(p, b, h, i, j)));
       for (int m = 16; m > 0; m /= 2) mx = nan_max(mx, shfl_xor(mx, m));
       if (mx != A(-INFINITY))
-        for (int64_t j = lane; j < p.len_kv; j += kWarpSize) l += fexp(row_score<T, A>(p, b, h, i, j) - mx);
+        for (int64_t j = lane; j < p.len_kv; j += kWarpSize)
+          l += Units::exp(Units::from_nats(row_score<T, A>(p, b, h, i, j)) - mx);
       for (int m = 16; m > 0; m /= 2) l += shfl_xor(l, m);
       shift = mx;
-      log_norm = l > A(0) ? flog(l) : A(0);
+      log_norm = l > A(0) ? Units::log(l) : A(0);
     }
     if (lane == 0) {
       static_cast<A*>(p.row_dot)[p.lse_index(b, h, i)] = sum;
