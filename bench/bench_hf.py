@@ -16,7 +16,8 @@ rotating from repetition to repetition), medians.
    2 key/value heads, 4 layers), batch 1: prefill tokens/s of a context of
    length C, and decode tokens/s of 32 greedy steps after it (the model
    called a token at a time on a copy of the prefilled cache, as generate
-   does, those steps alone timed).
+   does, those steps alone timed), and one decode step's first attention
+   call alone (the model's time is mostly its linear layers and Python).
 
 Writes markdown to bench/out/hf.md (and prints it); ratios are the other
 backend's time / mha_ext's time.
@@ -68,11 +69,12 @@ def encoder_rows(lengths, reps, dtype):
 
 
 def attention_call_times(model, run_model, reps, calls=20):
-    """The attention of the first layer alone, as the model hands it over (query,
-    key and value views of the projections, transformers' SDPA mask): mha_ext's
+    """The attention of the first layer alone, as the model hands it over in
+    run_model's first call (query, key and value views of the projections, the
+    cache's keys in a decode step, transformers' SDPA mask): mha_ext's
     attention function against transformers' sdpa one, interleaved, medians of
     loops of `calls` calls (s a call). The whole model is mostly its linear
-    layers, so this is where the two backends differ."""
+    layers and Python, so this is where the two backends differ."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -146,9 +148,17 @@ def decoder_rows(contexts, reps, dtype, new_tokens=32):
             for k in rotation(len(IMPLS), r):
                 runs[IMPLS[k]].append(decode_seconds(IMPLS[k]))
         rate_g = [new_tokens / statistics.median(runs[i]) for i in IMPLS]
-        rows.append((C, [C / t for t in tp], tp, rate_g))
+
+        def one_step():
+            with torch.no_grad():
+                models["sdpa"](input_ids=first["sdpa"].logits[:, -1:].argmax(-1),
+                               past_key_values=copy.deepcopy(first["sdpa"].past_key_values), use_cache=True)
+
+        call = attention_call_times(models["sdpa"], one_step, reps, calls=200)
+        rows.append((C, [C / t for t in tp], tp, rate_g, call))
         print(f"  decoder C={C}: prefill " + ", ".join(f"{i} {C / t:.0f} tok/s" for i, t in zip(IMPLS, tp))
-              + "; decode " + ", ".join(f"{i} {r:.1f} tok/s" for i, r in zip(IMPLS, rate_g)), flush=True)
+              + "; decode " + ", ".join(f"{i} {r:.1f} tok/s" for i, r in zip(IMPLS, rate_g))
+              + f"; one decode attention call: mha_ext {call[0] * 1e6:.1f} us, sdpa {call[1] * 1e6:.1f} us", flush=True)
     return rows
 
 
@@ -184,12 +194,13 @@ def main():
         dec = decoder_rows(contexts, reps, dtype)
         lines += ["", f"## Decoder: Llama (random, 4 layers, 8 heads / 2 KV heads, 64-dim heads), batch 1, {name}", "",
                   "| context | prefill tok/s: mha_ext / sdpa / eager | sdpa / mha_ext | eager / mha_ext | "
-                  "decode tok/s (32 new): mha_ext / sdpa / eager | sdpa / mha_ext | eager / mha_ext |",
-                  "|---|---|---|---|---|---|---|"]
-        for C, rates, tp, rg in dec:
+                  "decode tok/s (32 new): mha_ext / sdpa / eager | sdpa / mha_ext | eager / mha_ext | "
+                  "one decode step's attention call: mha_ext / sdpa us | sdpa / mha_ext |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for C, rates, tp, rg, call in dec:
             lines.append(f"| {C} | {rates[0]:.0f} / {rates[1]:.0f} / {rates[2]:.0f} | {tp[1] / tp[0]:.2f} | "
                          f"{tp[2] / tp[0]:.2f} | {rg[0]:.1f} / {rg[1]:.1f} / {rg[2]:.1f} | {rg[0] / rg[1]:.2f} | "
-                         f"{rg[0] / rg[2]:.2f} |")
+                         f"{rg[0] / rg[2]:.2f} | {call[0] * 1e6:.1f} / {call[1] * 1e6:.1f} | {call[1] / call[0]:.2f} |")
         lines.append("")
     write_report("hf.md", lines)
 

@@ -93,8 +93,9 @@ def test_decode_masks_empty_rows_and_nan(batch):
     assert not out2[0].isnan().any() and not out2[1, 4:].isnan().any()
 
 
-def test_decode_results_do_not_depend_on_the_thread_count():
-    q, k, v = _inputs((1, 32, 8, 1, 5000, 64, 64), torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_results_do_not_depend_on_the_thread_count(dtype):
+    q, k, v = _inputs((1, 32, 8, 1, 5000, 64, 64), dtype)
     threads = torch.get_num_threads()
     try:
         runs = []

@@ -11,6 +11,7 @@
 #include "x86_intrinsics.h"
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -281,12 +282,94 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const floa
   }
 }
 
+constexpr int64_t kValueKeys = 32;
+
+// value_block for bfloat16 value rows on AVX512-BF16 (kind 3): P rounded to
+// bfloat16 (as the AMX path and torch's reduced-precision P V round it) and
+// two keys an instruction, vdpbf16ps adding P[j] v[j][c] + P[j + 1] v[j + 1][c]
+// to each float sum: half the multiply-add instructions of the widened rows,
+// and no widening (four query rows of a 4-head GQA group are compute-bound).
+// Rows j and j + 1 are interleaved by 16-bit unpacks, which work within
+// 128-bit lanes: the low unpack holds columns 8 L .. 8 L + 3 of lane L, the
+// high one 8 L + 4 .. 8 L + 7, sorted back on the way out. An odd last key
+// pairs with a zero row, never read. Same signature as value_block.
+template <int RB, int NP>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_block_dp(
+    const float* p, int64_t ldp, int64_t rr, int64_t nj, const char* v, int64_t ldv_bytes, int64_t cols, float* o,
+    int64_t ldo) {
+  alignas(64) uint16_t pb[RB][kValueKeys];  // P rows in bfloat16, zero past nj
+  for (int r = 0; r < RB; ++r) {
+    const float* pr = p + std::min<int64_t>(r, rr - 1) * ldp;
+    const __m512 lo = _mm512_maskz_loadu_ps(lanes(nj), pr), hi = _mm512_maskz_loadu_ps(lanes(nj - 16), pr + 16);
+    _mm512_store_si512(pb[r], reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+  __m512 acc[RB][2 * NP];
+  for (int r = 0; r < RB; ++r)
+    for (int x = 0; x < 2 * NP; ++x) acc[r][x] = _mm512_setzero_ps();
+  __mmask32 mc[NP];  // the real columns of each 32
+  for (int h = 0; h < NP; ++h) {
+    const int64_t left = cols - 32 * h;
+    mc[h] = left >= 32 ? __mmask32(0xFFFFFFFFu) : left <= 0 ? __mmask32(0) : __mmask32((1u << left) - 1);
+  }
+  for (int64_t j = 0; j < nj; j += 2) {
+    const uint16_t* v0 = reinterpret_cast<const uint16_t*>(v + j * ldv_bytes);
+    const uint16_t* v1 = reinterpret_cast<const uint16_t*>(v + (j + 1) * ldv_bytes);
+    const bool two = j + 1 < nj;
+    __m512i pw[RB];  // (P[j], P[j + 1]) of row r in every 32-bit lane
+    for (int r = 0; r < RB; ++r) {
+      int32_t w;
+      std::memcpy(&w, pb[r] + j, sizeof(w));
+      pw[r] = _mm512_set1_epi32(w);
+    }
+    for (int h = 0; h < NP; ++h) {
+      const __m512i a = _mm512_maskz_loadu_epi16(mc[h], v0 + 32 * h);
+      const __m512i b = two ? _mm512_maskz_loadu_epi16(mc[h], v1 + 32 * h) : _mm512_setzero_si512();
+      const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
+      const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
+      for (int r = 0; r < RB; ++r) {
+        acc[r][2 * h] = _mm512_dpbf16_ps(acc[r][2 * h], lo, reinterpret_cast<__m512bh>(pw[r]));
+        acc[r][2 * h + 1] = _mm512_dpbf16_ps(acc[r][2 * h + 1], hi, reinterpret_cast<__m512bh>(pw[r]));
+      }
+    }
+  }
+  // columns back in order: c of the first 16 from lane 4 (c / 8) + c % 4 of
+  // the low (c % 8 < 4) or the high unpack; the next 16 likewise
+  alignas(64) static const int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static const int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+#pragma GCC unroll 8
+  for (int r = 0; r < RB; ++r) {
+    const __mmask16 row = r < rr ? __mmask16(0xFFFF) : __mmask16(0);
+#pragma GCC unroll 8
+    for (int h = 0; h < NP; ++h) {
+      const __m512 lo = _mm512_permutex2var_ps(acc[r][2 * h], first, acc[r][2 * h + 1]);
+      const __m512 hi = _mm512_permutex2var_ps(acc[r][2 * h], second, acc[r][2 * h + 1]);
+      const __mmask16 ml = lanes(cols - 32 * h) & row, mh = lanes(cols - 32 * h - 16) & row;
+      float* oc = o + std::min<int64_t>(r, rr - 1) * ldo + 32 * h;
+      _mm512_mask_storeu_ps(oc, ml, _mm512_add_ps(_mm512_maskz_loadu_ps(ml, oc), lo));
+      _mm512_mask_storeu_ps(oc + 16, mh, _mm512_add_ps(_mm512_maskz_loadu_ps(mh, oc + 16), hi));
+    }
+  }
+}
+
+// value_block, or for kind 3 value_block_dp where it serves several rows (one
+// row a pass spends as much on pairing the value rows as it saves: 0.89-0.98x
+// with one query row a head, 12 x 64 heads)
+template <int kKind, int RB, int NP>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void value_rows(
+    const float* p, int64_t ldp, int64_t rr, int64_t nj, const char* v, int64_t ldv_bytes, int64_t cols, float* o,
+    int64_t ldo) {
+  if constexpr (kKind == 3 && RB > 1)
+    value_block_dp<RB, NP>(p, ldp, rr, nj, v, ldv_bytes, cols, o, ldo);
+  else
+    value_block<kKind == 3 ? 1 : kKind, RB, NP>(p, ldp, rr, nj, v, ldv_bytes, cols, o, ldo);
+}
+
 // O (R x Ev) += P (R x n) V (n x Ev) by chunks of kValueKeys keys (L1-sized),
 // each read from memory once by the first rows' pass and from L1 by the
 // rest: 8 rows at a time with up to 32 columns, 4 with up to 64, 2 with up
 // to 128, else 1 row and 256 columns at a time; a last single row alone,
 // over the columns it has.
-constexpr int64_t kValueKeys = 32;
 template <int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const float* p, int64_t R, int64_t n,
                                                                          int64_t ldp, const void* v, int64_t ldv,
@@ -304,23 +387,23 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
         const int64_t rr = R - r0;
         if (rr == 1 && cols <= 128) {  // one row: no work on copies of it
           if (cols <= 32)
-            value_block<kKind, 1, 1>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
+            value_rows<kKind, 1, 1>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
           else if (cols <= 64)
-            value_block<kKind, 1, 2>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
+            value_rows<kKind, 1, 2>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
           else
-            value_block<kKind, 1, 4>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
+            value_rows<kKind, 1, 4>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
           r0 += 1;
         } else if (cols <= 32) {
-          value_block<kKind, 8, 1>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
+          value_rows<kKind, 8, 1>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
           r0 += 8;
         } else if (cols <= 64) {
-          value_block<kKind, 4, 2>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
+          value_rows<kKind, 4, 2>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
           r0 += 4;
         } else if (cols <= 128) {
-          value_block<kKind, 2, 4>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
+          value_rows<kKind, 2, 4>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
           r0 += 2;
         } else {
-          value_block<kKind, 1, 8>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
+          value_rows<kKind, 1, 8>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
           r0 += 1;
         }
       }
@@ -375,6 +458,11 @@ bool acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v,
 bool acc_rows_16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev,
                  float* o, int64_t ldo, bool bf16) {
 #if MHA_X86
+  static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
+  if (bf16 && active_isa() >= Isa::kAvx512 && has_bf16) {
+    acc_rows_avx512<3>(p, R, n, ldp, v, ldv, Ev, o, ldo);
+    return true;
+  }
   if (active_isa() >= Isa::kAvx512) {
     bf16 ? acc_rows_avx512<1>(p, R, n, ldp, v, ldv, Ev, o, ldo) : acc_rows_avx512<2>(p, R, n, ldp, v, ldv, Ev, o, ldo);
     return true;
