@@ -96,18 +96,28 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
     acc_t mx = kNegInf;
     for (int64_t sp = 0; sp < splits; ++sp) mx = nan_max(mx, m_s[sp * R + r]);
     acc_t total = 0;
-    std::fill(acc, acc + Ev, acc_t(0));
-    for (int64_t sp = 0; sp < splits; ++sp) {
-      const acc_t ms = m_s[sp * R + r];
-      if (ms == kNegInf) continue;  // a split whose keys the row may not see
-      const acc_t wt = Ops::expb(ms - mx);
-      total += l_s[sp * R + r] * wt;
-      const acc_t* os = o_s + (sp * R + r) * Ev;
-      for (int64_t e = 0; e < Ev; ++e) acc[e] += os[e] * wt;
+    const acc_t* sum = acc;
+    if (splits == 1 && std::isfinite(mx)) {  // its sum and O as they are: the merge would weigh them by exp(0) = 1
+      total = l_s[r];
+      sum = o_s + r * Ev;
+    } else {
+      std::fill(acc, acc + Ev, acc_t(0));
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const acc_t ms = m_s[sp * R + r];
+        if (ms == kNegInf) continue;  // a split whose keys the row may not see
+        const acc_t wt = Ops::expb(ms - mx);
+        total += l_s[sp * R + r] * wt;
+        const acc_t* os = o_s + (sp * R + r) * Ev;
+        for (int64_t e = 0; e < Ev; ++e) acc[e] += os[e] * wt;
+      }
     }
     const acc_t inv = total > acc_t(0) ? acc_t(1) / total : acc_t(0);
     scalar_t* orow = out + b * p.out_stride.b + h * p.out_stride.h + i * p.out_stride.row;
-    for (int64_t e = 0; e < Ev; ++e) orow[e * p.out_stride.col] = static_cast<scalar_t>(acc[e] * inv);
+    if (p.out_stride.col == 1) {  // unit stride: a loop the compiler vectorises
+      for (int64_t e = 0; e < Ev; ++e) orow[e] = static_cast<scalar_t>(sum[e] * inv);
+    } else {
+      for (int64_t e = 0; e < Ev; ++e) orow[e * p.out_stride.col] = static_cast<scalar_t>(sum[e] * inv);
+    }
     // -inf for a row that may see no key; NaN stays NaN (as the dense kernel)
     lse[p.lse_index(b, h, i)] = total > acc_t(0) ? (mx + Ops::logb(total)) / unit : (total == total ? kNegInf : total);
   };
@@ -130,7 +140,11 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
       const AttentionFwdParams sp = sequence_params<scalar_t, acc_t>(p, b);  // p itself without a KV cache
       for (int64_t r = 0; r < R; ++r) {  // row r = g L + i: query row i of head hk G + g, scaled
         const scalar_t* src = q + b * p.q_stride.b + (hk * G + r / L) * p.q_stride.h + (r % L) * p.q_stride.row;
-        for (int64_t e = 0; e < E; ++e) qr[r * E + e] = static_cast<acc_t>(src[e * p.q_stride.col]) * scale;
+        if (p.q_stride.col == 1) {  // unit stride: a loop the compiler vectorises
+          for (int64_t e = 0; e < E; ++e) qr[r * E + e] = static_cast<acc_t>(src[e]) * scale;
+        } else {
+          for (int64_t e = 0; e < E; ++e) qr[r * E + e] = static_cast<acc_t>(src[e * p.q_stride.col]) * scale;
+        }
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)  // the unscaled bits, for cpu::dot_rows_bf16
           for (int64_t e = 0; e < E; ++e) q_bits[r * E + e] = src[e * p.q_stride.col].x;
       }
