@@ -784,14 +784,34 @@ MHA_KERNEL attention_combine_kernel(const AttentionFwdParams p) {
     const A m = pm[s * rows];
     return m == A(-INFINITY) ? A(0) : pm[all + s * rows] * Units::exp(m - mx);
   };
+  // Each weight computed once, by lane s % 32, and passed round by shuffles;
+  // a lane holds its columns' sums (head dims up to 256, launch.h: 8 a lane),
+  // each summed in split order as before.
+  constexpr int kLaneCols = 256 / kWarpSize;
+  A acc[kLaneCols];
+MHA_UNROLL
+  for (int k = 0; k < kLaneCols; ++k) acc[k] = A(0);
   A total = A(0);
-  for (int64_t s = 0; s < p.kv_splits; ++s) total += weight(s);
+  for (int64_t s0 = 0; s0 < p.kv_splits; s0 += kWarpSize) {
+    const A mine = s0 + lane < p.kv_splits ? weight(s0 + lane) : A(0);
+    const int n = static_cast<int>(p.kv_splits - s0 < kWarpSize ? p.kv_splits - s0 : kWarpSize);
+    for (int t = 0; t < n; ++t) {  // the same n for the whole warp
+      const A w = shfl(mine, t);
+      total += w;
+      const A* os = po + (s0 + t) * rows * p.head_dim_v;
+MHA_UNROLL
+      for (int k = 0; k < kLaneCols; ++k) {
+        const int64_t c = lane + k * kWarpSize;
+        if (c < p.head_dim_v) acc[k] += w * os[c];
+      }
+    }
+  }
   const A inv = total > A(0) ? A(1) / total : A(0);
   T* out = static_cast<T*>(p.out) + b * p.out_stride.b + h * p.out_stride.h + i * p.out_stride.row;
-  for (int64_t c = lane; c < p.head_dim_v; c += kWarpSize) {
-    A acc = A(0);
-    for (int64_t s = 0; s < p.kv_splits; ++s) acc += weight(s) * po[s * rows * p.head_dim_v + c];
-    out[c * p.out_stride.col] = to_elem<T>(acc * inv);
+MHA_UNROLL
+  for (int k = 0; k < kLaneCols; ++k) {
+    const int64_t c = lane + k * kWarpSize;
+    if (c < p.head_dim_v) out[c * p.out_stride.col] = to_elem<T>(acc[k] * inv);
   }
   if (lane == 0)
     static_cast<A*>(p.lse)[p.lse_index(b, h, i)] =
