@@ -81,9 +81,12 @@ inline KVCacheCall prepare_kvcache(const at::Tensor& query, at::Tensor& k_cache,
   c.s = check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table);
   check_variant(c.s, query, va.window_left, va.window_right, va.softcap, va.alibi_slopes);
   const KVCacheShape& s = c.s;
+  // cache_seqlens read on the host where it lies there (the new rows' places, the key counts)
+  const at::Tensor host_seqlens = cache_seqlens.device().is_cpu() ? cache_seqlens.contiguous() : at::Tensor();
+  const bool write_new = k_new.has_value() && s.len_new > 0;
   // the new rows: by write_rows_cpu (the CPU backend), else by index_put_
   // (the CUDA backend, and its emulation on CPU tensors)
-  if (k_new.has_value() && s.len_new > 0 && copy_rows_on_host) {
+  if (write_new && copy_rows_on_host) {
     // what index_put_ checks and does besides the copy: no overlap of the
     // written cache with itself or with its new rows (before anything is
     // written), and each cache's version counter bumped (autograd's check of
@@ -94,13 +97,12 @@ inline KVCacheCall prepare_kvcache(const at::Tensor& query, at::Tensor& k_cache,
     }
     k_cache.unsafeGetTensorImpl()->bump_version();
     v_cache.unsafeGetTensorImpl()->bump_version();
-    const at::Tensor seqlens = cache_seqlens.contiguous();
     const at::Tensor table = block_table.has_value() ? block_table->contiguous() : at::Tensor();
     const int32_t* t = table.defined() ? table.const_data_ptr<int32_t>() : nullptr;
-    write_rows_cpu(k_cache, *k_new, seqlens.const_data_ptr<int32_t>(), t, t ? table.size(1) : 0, s.block_size);
-    write_rows_cpu(v_cache, *v_new, seqlens.const_data_ptr<int32_t>(), t, t ? table.size(1) : 0, s.block_size);
-  }
-  if (k_new.has_value() && s.len_new > 0 && !copy_rows_on_host) {  // rows cache_seqlens[b] + t, in place
+    const int32_t* starts = host_seqlens.const_data_ptr<int32_t>();
+    write_rows_cpu(k_cache, *k_new, starts, t, t ? table.size(1) : 0, s.block_size);
+    write_rows_cpu(v_cache, *v_new, starts, t, t ? table.size(1) : 0, s.block_size);
+  } else if (write_new) {  // rows cache_seqlens[b] + t, in place
     const at::Tensor start = cache_seqlens.to(at::kLong);
     // index_put_ rather than scatter_: torch's CPU scatter_ of bfloat16 took
     // 1.5 ms for one (4, 1, 8, 128) step (float32: 0.013), index_put_ 0.012
@@ -129,11 +131,10 @@ inline KVCacheCall prepare_kvcache(const at::Tensor& query, at::Tensor& k_cache,
   p.lse_stride_h = s.len_q;
   // keys of batch b: cache_seqlens[b] + L_new (on the CPU filled in place, no dispatched ops)
   at::Tensor keys;
-  if (cache_seqlens.device().is_cpu()) {
+  if (host_seqlens.defined()) {
     keys = at::empty({s.batch}, cache_seqlens.options());
-    const at::Tensor seqlens = cache_seqlens.contiguous();
     for (int64_t b = 0; b < s.batch; ++b)
-      keys.data_ptr<int32_t>()[b] = seqlens.const_data_ptr<int32_t>()[b] + static_cast<int32_t>(s.len_new);
+      keys.data_ptr<int32_t>()[b] = host_seqlens.const_data_ptr<int32_t>()[b] + static_cast<int32_t>(s.len_new);
   } else {
     keys = cache_seqlens.add(s.len_new).contiguous();
   }

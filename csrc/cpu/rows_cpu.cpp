@@ -48,6 +48,10 @@ void dot_rows_16_generic(const float* q, int64_t R, int64_t E, const uint16_t* k
 __attribute__((target("avx512f"))) inline __mmask16 lanes(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
 }
+// the same for 32 16-bit lanes
+inline __mmask32 lanes32(int64_t left) {
+  return left >= 32 ? __mmask32(0xFFFFFFFFu) : left <= 0 ? __mmask32(0) : __mmask32((1u << left) - 1);
+}
 
 // Sixteen sums at once: lane l of the result is the sum of the lanes of
 // x[l]. A tree of 15 steps, each two shuffles and an add (halves, quarters,
@@ -85,8 +89,7 @@ struct ScoreKind {
 template <int kKind, typename T>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load_cols(const T* row, int64_t e, int64_t left) {
   if constexpr (kKind == 3) {
-    const __mmask32 m = left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << left) - 1);
-    return _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(m, row + e));
+    return _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(lanes32(left), row + e));
   } else if constexpr (std::is_same_v<T, float>) {
     return _mm512_maskz_loadu_ps(lanes(left), row + e);
   } else {
@@ -307,10 +310,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_block
   for (int r = 0; r < RB; ++r)
     for (int x = 0; x < 2 * NP; ++x) acc[r][x] = _mm512_setzero_ps();
   __mmask32 mc[NP];  // the real columns of each 32
-  for (int h = 0; h < NP; ++h) {
-    const int64_t left = cols - 32 * h;
-    mc[h] = left >= 32 ? __mmask32(0xFFFFFFFFu) : left <= 0 ? __mmask32(0) : __mmask32((1u << left) - 1);
-  }
+  for (int h = 0; h < NP; ++h) mc[h] = lanes32(cols - 32 * h);
   for (int64_t j = 0; j < nj; j += 2) {
     const uint16_t* v0 = reinterpret_cast<const uint16_t*>(v + j * ldv_bytes);
     const uint16_t* v1 = reinterpret_cast<const uint16_t*>(v + (j + 1) * ldv_bytes);
