@@ -731,6 +731,35 @@ def test_emul_decode_packs_a_gqa_group_into_one_block(backend, dtype, monkeypatc
         assert_all_like_cpu(out, cpu_out, references(q, k, v, **kw), dtype)
 
 
+@pytest.mark.parametrize("hkv,splits", [(1, "1"), (4, "1"), (1, "3")])
+def test_emul_decode_step_hostile_rows(backend, hkv, splits, monkeypatch):
+    # One query row a head (a GQA group packed into 4 of a warp's 16 rows,
+    # or a head a block): the rows past the query are zero padding, so whole
+    # key tiles take the interior path; huge logits stay finite, a NaN in one
+    # head's query makes that head's row (only) NaN, against the float64
+    # reference on the rest (full tiles and a partial last one; one key
+    # split, or three merged)
+    monkeypatch.setenv("MHA_EXT_CUDA_KV_SPLITS", splits)
+    torch.manual_seed(11)
+    B, hq, S, E = 2, 4, 150, 64
+    q, k, v = make((B, hq, hkv, 1, S, E, E), torch.float32, scale=40.0)
+    q[1, 2, 0, 5] = float("nan")
+    nan_rows = torch.zeros(B, hq, 1, dtype=torch.bool)
+    nan_rows[1, 2, 0] = True
+    out, lse, _ = backend.attention(q, k, v, None, 0.0, False, None, hkv != hq)
+    assert torch.isnan(out).any(-1).equal(nan_rows) and torch.isnan(lse).equal(nan_rows)
+    q_ok = q.clone()
+    q_ok[1, 2, 0, 5] = 0
+    gqa = dict(enable_gqa=hkv != hq)
+    ref = R.attention(q_ok.double(), k.double(), v.double(), **gqa)
+    ref_lse = R.logsumexp(q_ok.double(), k.double(), **gqa)
+    # logits ~ 1e2: exp(score - lse) in float carries eps * |lse| relative error
+    spread = 1.0 + ref_lse.abs().max().item()
+    fin = ~nan_rows
+    torch.testing.assert_close(out[fin].double(), ref[fin], rtol=0, atol=1e-6 * spread * max(1.0, ref.abs().max().item()))
+    torch.testing.assert_close(lse[fin].double(), ref_lse[fin], rtol=0, atol=1e-6 * spread)
+
+
 def test_emul_key_splits_keep_a_nan_behind_masked_scores(backend, monkeypatch):
     # A NaN value row at a masked key reaches its row (P = 0, 0 x NaN), in the
     # unsplit kernel and on the CPU; with the keys split, the run holding it

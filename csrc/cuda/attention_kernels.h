@@ -632,8 +632,11 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
     // row of the warp sees it whole) is only scaled; edge and diagonal tiles
     // go through masked_score per element. Both clamp the same way (from_nats).
     A tile_max[2] = {-INFINITY, -INFINITY};
+    // (rows past L count as inside: their Q rows are zero and their output
+    // is never written, so a decode step's one row, or a GQA group packed
+    // into fewer than 16 rows, still takes the interior path)
     const int64_t iw0 = i0 + warp * 16;
-    const bool interior = interior_tile(p, iw0, iw0 + 15, j0, j0 + kN - 1);
+    const bool interior = interior_tile(p, iw0, iw0 + 15 < L ? iw0 + 15 : L - 1, j0, j0 + kN - 1);
     if (interior) {
 MHA_UNROLL
       for (int t = 0; t < kNT; ++t)
