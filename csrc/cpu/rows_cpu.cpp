@@ -72,6 +72,9 @@ __attribute__((target("avx512f"))) inline __m512 sum16(const __m512* x) {
   return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
 }
 
+// Key (value) rows a P V chunk takes at a time: L1-sized (acc_rows_avx512).
+constexpr int64_t kValueKeys = 32;
+
 // Score kinds: 0 float32; 1 bfloat16 and 2 float16 key rows widened in the
 // register (no widened copy of the tile goes through the caches); 3
 // bfloat16 query and key rows multiplied in pairs by AVX512-BF16's vdpbf16ps
@@ -112,14 +115,28 @@ __attribute__((target("avx512f"))) inline __m512 dot_step(__m512 acc, __m512 q, 
   }
 }
 
+// A row of `bytes` bytes fetched into L2. With more query rows than one
+// pass holds, a block's first pass reads its key (or value) rows from
+// memory and the other passes from L1, which leaves memory idle meanwhile:
+// with three passes or more, the second fetches the next block's rows into
+// L2 for the next first pass (measured in the README, "Decoding"; into L1
+// instead, two blocks ahead, or with two passes, it did worse).
+__attribute__((always_inline)) inline void fetch_row_l2(const void* row, int64_t bytes) {
+  const char* c = static_cast<const char*>(row);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+}
+
 // acc[r KB + C] += the dot products of key row k with query rows qr[r]:
 // the key row read whole, in address order (its columns once for the RB
-// rows; the query columns come from L1 each time). C is a constant, so
-// that the accumulators stay in registers.
+// rows; the query columns come from L1 each time); meanwhile the row at
+// `ahead` (unless null) is fetched into L2. C is a constant, so that the
+// accumulators stay in registers.
 template <int kKind, int RB, int KB, int C>
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void key_dot(
-    __m512* acc, const typename ScoreKind<kKind>::Q* const* qr, const typename ScoreKind<kKind>::K* k, int64_t E) {
+    __m512* acc, const typename ScoreKind<kKind>::Q* const* qr, const typename ScoreKind<kKind>::K* k, int64_t E,
+    const void* ahead) {
   constexpr int64_t kStep = ScoreKind<kKind>::kCols;
+  if (ahead != nullptr) fetch_row_l2(ahead, E * static_cast<int64_t>(sizeof(*k)));
   int64_t e = 0;
   for (; e + kStep <= E; e += kStep) {
     const __m512 kv = load_cols<kKind>(k, e, kStep);
@@ -134,8 +151,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 template <int kKind, int RB, int KB, int... C>
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void keys_dot(
     __m512* acc, const typename ScoreKind<kKind>::Q* const* qr, const typename ScoreKind<kKind>::K* k, int64_t ldk,
-    int64_t nk, int64_t E, std::integer_sequence<int, C...>) {
-  (key_dot<kKind, RB, KB, C>(acc, qr, k + std::min<int64_t>(C, nk - 1) * ldk, E), ...);
+    int64_t nk, int64_t E, int64_t n_ahead, std::integer_sequence<int, C...>) {
+  (key_dot<kKind, RB, KB, C>(acc, qr, k + std::min<int64_t>(C, nk - 1) * ldk, E,
+                             C < n_ahead ? k + (C + 16) * ldk : nullptr),
+   ...);
 }
 
 // The scores of RB query rows with 16 keys, in 16 / RB sub-blocks of KB keys:
@@ -144,11 +163,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // one after the other: read row-interleaved, four key rows go at 7 GB/s on
 // one core where in order they go as fast as a plain sum, 19 (AMD EPYC,
 // float32, E = 128: bench/row_order.cpp; software prefetches helped neither
-// order). Keys past nc repeat the last real one (read, never stored).
+// order). Keys past nc repeat the last real one (read, never stored). The
+// first n_ahead rows of the next block (16 keys on) are fetched into L2.
 template <int kKind, int RB>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const typename ScoreKind<kKind>::Q* q, int64_t E,
                                                                     const typename ScoreKind<kKind>::K* k, int64_t ldk,
-                                                                    int64_t nc, float* s, int64_t lds) {
+                                                                    int64_t nc, float* s, int64_t lds,
+                                                                    int64_t n_ahead) {
   constexpr int KB = 16 / RB;
   const typename ScoreKind<kKind>::Q* qr[RB];
   for (int r = 0; r < RB; ++r) qr[r] = q + r * E;
@@ -156,7 +177,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const type
   for (int64_t k0 = 0; k0 < nc; k0 += KB) {
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    keys_dot<kKind, RB, KB>(acc, qr, k + k0 * ldk, ldk, nc - k0, E, std::make_integer_sequence<int, KB>{});
+    keys_dot<kKind, RB, KB>(acc, qr, k + k0 * ldk, ldk, nc - k0, E, n_ahead - k0, std::make_integer_sequence<int, KB>{});
     const __m512 sums = sum16(acc);  // lane r KB + c: row r, key k0 + c
     const __mmask16 kc = lanes(nc - k0);
     for (int r = 0; r < RB; ++r) {  // row r's lanes down to 0, then stored
@@ -168,7 +189,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const type
 
 // S (R x n, row stride lds) = Q K^T by blocks of 16 keys: four query rows at a
 // time (4 x 4 sub-blocks), then two (2 x 8), then one (1 x 16). The block's
-// key rows stay in L1 for the next query rows.
+// key rows stay in L1 for the next query rows; with three passes or more
+// the second fetches the next block's into L2 (fetch_row_l2).
 template <int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const typename ScoreKind<kKind>::Q* q,
                                                                         int64_t R, int64_t E,
@@ -176,21 +198,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
                                                                         int64_t ldk, int64_t n, float* s, int64_t lds) {
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
     const int64_t nc = std::min<int64_t>(16, n - c0);
-    for (int64_t r0 = 0; r0 < R;) {
-      const int64_t rr = R - r0;
+    for (int64_t r0 = 0, ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16); r0 < R;) {
+      const int64_t rr = R - r0, rb = rr >= 4 ? 4 : rr >= 2 ? 2 : 1;
+      const int64_t na = r0 > 0 && rr > rb ? std::exchange(ahead, 0) : 0;  // the second of 3 or more passes
       const auto* qr = q + r0 * E;
       const auto* kc = k + c0 * ldk;
       float* sc = s + r0 * lds + c0;
-      if (rr >= 4) {
-        score_block<kKind, 4>(qr, E, kc, ldk, nc, sc, lds);
-        r0 += 4;
-      } else if (rr >= 2) {
-        score_block<kKind, 2>(qr, E, kc, ldk, nc, sc, lds);
-        r0 += 2;
-      } else {
-        score_block<kKind, 1>(qr, E, kc, ldk, nc, sc, lds);
-        r0 += 1;
-      }
+      if (rb == 4)
+        score_block<kKind, 4>(qr, E, kc, ldk, nc, sc, lds, na);
+      else if (rb == 2)
+        score_block<kKind, 2>(qr, E, kc, ldk, nc, sc, lds, na);
+      else
+        score_block<kKind, 1>(qr, E, kc, ldk, nc, sc, lds, na);
+      r0 += rb;
     }
   }
 }
@@ -240,11 +260,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // columns (cols real), RB NP <= 8: the RB x 32 NP sums in up to 16
 // registers, each in j order, added to O at the end. Each value row is read
 // whole (up to 32 NP columns), in address order, as key rows are (key_dot).
-// Rows past rr repeat the last real one (computed, never stored).
+// Rows past rr repeat the last real one (computed, never stored). The same
+// columns of the first n_ahead rows of the next chunk (kValueKeys rows on)
+// are fetched into L2 (fetch_row_l2).
 template <int kKind, int RB, int NP>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const float* p, int64_t ldp, int64_t rr,
                                                                     int64_t nj, const char* v, int64_t ldv_bytes,
-                                                                    int64_t cols, float* o, int64_t ldo) {
+                                                                    int64_t cols, float* o, int64_t ldo,
+                                                                    int64_t n_ahead) {
   const float* pr[RB];
   for (int r = 0; r < RB; ++r) pr[r] = p + std::min<int64_t>(r, rr - 1) * ldp;
   __m512 acc[RB][2 * NP];
@@ -253,6 +276,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const floa
   __mmask16 mk[2 * NP];  // the real columns of each register
   for (int x = 0; x < 2 * NP; ++x) mk[x] = lanes(cols - 16 * x);
   for (int64_t j = 0; j < nj; ++j) {
+    if (j < n_ahead) fetch_row_l2(v + (j + kValueKeys) * ldv_bytes, cols * (kKind == 0 ? 4 : 2));
     __m512 pb[RB];
     for (int r = 0; r < RB; ++r) pb[r] = _mm512_set1_ps(pr[r][j]);
     for (int h = 0; h < NP; ++h) {
@@ -285,8 +309,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const floa
   }
 }
 
-constexpr int64_t kValueKeys = 32;
-
 // value_block for bfloat16 value rows on AVX512-BF16 (kind 3): P rounded to
 // bfloat16 (as the AMX path and torch's reduced-precision P V round it) and
 // two keys an instruction, vdpbf16ps adding P[j] v[j][c] + P[j + 1] v[j + 1][c]
@@ -299,7 +321,7 @@ constexpr int64_t kValueKeys = 32;
 template <int RB, int NP>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_block_dp(
     const float* p, int64_t ldp, int64_t rr, int64_t nj, const char* v, int64_t ldv_bytes, int64_t cols, float* o,
-    int64_t ldo) {
+    int64_t ldo, int64_t n_ahead) {
   alignas(64) uint16_t pb[RB][kValueKeys];  // P rows in bfloat16, zero past nj
   for (int r = 0; r < RB; ++r) {
     const float* pr = p + std::min<int64_t>(r, rr - 1) * ldp;
@@ -315,6 +337,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_block
     const uint16_t* v0 = reinterpret_cast<const uint16_t*>(v + j * ldv_bytes);
     const uint16_t* v1 = reinterpret_cast<const uint16_t*>(v + (j + 1) * ldv_bytes);
     const bool two = j + 1 < nj;
+    for (int64_t x = j; x < j + 2 && x < n_ahead; ++x) fetch_row_l2(v + (x + kValueKeys) * ldv_bytes, cols * 2);
     __m512i pw[RB];  // (P[j], P[j + 1]) of row r in every 32-bit lane
     for (int r = 0; r < RB; ++r) {
       int32_t w;
@@ -358,18 +381,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_block
 template <int kKind, int RB, int NP>
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void value_rows(
     const float* p, int64_t ldp, int64_t rr, int64_t nj, const char* v, int64_t ldv_bytes, int64_t cols, float* o,
-    int64_t ldo) {
+    int64_t ldo, int64_t n_ahead) {
   if constexpr (kKind == 3 && RB > 1)
-    value_block_dp<RB, NP>(p, ldp, rr, nj, v, ldv_bytes, cols, o, ldo);
+    value_block_dp<RB, NP>(p, ldp, rr, nj, v, ldv_bytes, cols, o, ldo, n_ahead);
   else
-    value_block<kKind == 3 ? 1 : kKind, RB, NP>(p, ldp, rr, nj, v, ldv_bytes, cols, o, ldo);
+    value_block<kKind == 3 ? 1 : kKind, RB, NP>(p, ldp, rr, nj, v, ldv_bytes, cols, o, ldo, n_ahead);
 }
 
 // O (R x Ev) += P (R x n) V (n x Ev) by chunks of kValueKeys keys (L1-sized),
 // each read from memory once by the first rows' pass and from L1 by the
 // rest: 8 rows at a time with up to 32 columns, 4 with up to 64, 2 with up
 // to 128, else 1 row and 256 columns at a time; a last single row alone,
-// over the columns it has.
+// over the columns it has. With three passes or more the second fetches
+// the next chunk's rows into L2 (fetch_row_l2).
 template <int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const float* p, int64_t R, int64_t n,
                                                                          int64_t ldp, const void* v, int64_t ldv,
@@ -381,31 +405,28 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
     for (int64_t c0 = 0; c0 < Ev; c0 += 256) {
       const int64_t cols = std::min<int64_t>(256, Ev - c0);
       const char* vc = vb + j0 * ldv_bytes + c0 * elem;
-      for (int64_t r0 = 0; r0 < R;) {
+      for (int64_t r0 = 0, ahead = std::clamp<int64_t>(n - j0 - kValueKeys, 0, kValueKeys); r0 < R;) {
         const float* pr = p + r0 * ldp + j0;
         float* orow = o + r0 * ldo + c0;
-        const int64_t rr = R - r0;
+        const int64_t rr = R - r0, rb = rr == 1 ? 1 : cols <= 32 ? 8 : cols <= 64 ? 4 : cols <= 128 ? 2 : 1;
+        const int64_t na = r0 > 0 && rr > rb ? std::exchange(ahead, 0) : 0;  // the second of 3 or more passes
         if (rr == 1 && cols <= 128) {  // one row: no work on copies of it
           if (cols <= 32)
-            value_rows<kKind, 1, 1>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
+            value_rows<kKind, 1, 1>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, na);
           else if (cols <= 64)
-            value_rows<kKind, 1, 2>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
+            value_rows<kKind, 1, 2>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, na);
           else
-            value_rows<kKind, 1, 4>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo);
-          r0 += 1;
-        } else if (cols <= 32) {
-          value_rows<kKind, 8, 1>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
-          r0 += 8;
-        } else if (cols <= 64) {
-          value_rows<kKind, 4, 2>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
-          r0 += 4;
-        } else if (cols <= 128) {
-          value_rows<kKind, 2, 4>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
-          r0 += 2;
+            value_rows<kKind, 1, 4>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, na);
+        } else if (rb == 8) {
+          value_rows<kKind, 8, 1>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, na);
+        } else if (rb == 4) {
+          value_rows<kKind, 4, 2>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, na);
+        } else if (rb == 2) {
+          value_rows<kKind, 2, 4>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, na);
         } else {
-          value_rows<kKind, 1, 8>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo);
-          r0 += 1;
+          value_rows<kKind, 1, 8>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, na);
         }
+        r0 += rb;
       }
     }
   }
