@@ -148,12 +148,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
   }
 }
 
-template <int kKind, int RB, int KB, int... C>
+template <int kKind, int RB, int KB, bool kFetch, int... C>
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void keys_dot(
     __m512* acc, const typename ScoreKind<kKind>::Q* const* qr, const typename ScoreKind<kKind>::K* k, int64_t ldk,
     int64_t nk, int64_t E, int64_t n_ahead, std::integer_sequence<int, C...>) {
   (key_dot<kKind, RB, KB, C>(acc, qr, k + std::min<int64_t>(C, nk - 1) * ldk, E,
-                             C < n_ahead ? k + (C + 16) * ldk : nullptr),
+                             kFetch && C < n_ahead ? k + (C + 16) * ldk : nullptr),
    ...);
 }
 
@@ -164,8 +164,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // one core where in order they go as fast as a plain sum, 19 (AMD EPYC,
 // float32, E = 128: bench/row_order.cpp; software prefetches helped neither
 // order). Keys past nc repeat the last real one (read, never stored). The
-// first n_ahead rows of the next block (16 keys on) are fetched into L2.
-template <int kKind, int RB>
+// first n_ahead rows of the next block (16 keys on) are fetched into L2
+// where kFetch (an instantiation of its own: the fetches cost the others
+// registers, and those passes never fetch).
+template <int kKind, int RB, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const typename ScoreKind<kKind>::Q* q, int64_t E,
                                                                     const typename ScoreKind<kKind>::K* k, int64_t ldk,
                                                                     int64_t nc, float* s, int64_t lds,
@@ -177,7 +179,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const type
   for (int64_t k0 = 0; k0 < nc; k0 += KB) {
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    keys_dot<kKind, RB, KB>(acc, qr, k + k0 * ldk, ldk, nc - k0, E, n_ahead - k0, std::make_integer_sequence<int, KB>{});
+    keys_dot<kKind, RB, KB, kFetch>(acc, qr, k + k0 * ldk, ldk, nc - k0, E, n_ahead - k0,
+                                    std::make_integer_sequence<int, KB>{});
     const __m512 sums = sum16(acc);  // lane r KB + c: row r, key k0 + c
     const __mmask16 kc = lanes(nc - k0);
     for (int r = 0; r < RB; ++r) {  // row r's lanes down to 0, then stored
@@ -200,16 +203,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
     const int64_t nc = std::min<int64_t>(16, n - c0);
     for (int64_t r0 = 0, ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16); r0 < R;) {
       const int64_t rr = R - r0, rb = rr >= 4 ? 4 : rr >= 2 ? 2 : 1;
-      const int64_t na = r0 > 0 && rr > rb ? std::exchange(ahead, 0) : 0;  // the second of 3 or more passes
+      // the second of 3 or more passes (of 4 rows: R > 8) fetches
+      const int64_t na = r0 > 0 && rr > rb && rb == 4 ? std::exchange(ahead, 0) : 0;
       const auto* qr = q + r0 * E;
       const auto* kc = k + c0 * ldk;
       float* sc = s + r0 * lds + c0;
-      if (rb == 4)
-        score_block<kKind, 4>(qr, E, kc, ldk, nc, sc, lds, na);
+      if (na > 0)
+        score_block<kKind, 4, true>(qr, E, kc, ldk, nc, sc, lds, na);
+      else if (rb == 4)
+        score_block<kKind, 4>(qr, E, kc, ldk, nc, sc, lds, 0);
       else if (rb == 2)
-        score_block<kKind, 2>(qr, E, kc, ldk, nc, sc, lds, na);
+        score_block<kKind, 2>(qr, E, kc, ldk, nc, sc, lds, 0);
       else
-        score_block<kKind, 1>(qr, E, kc, ldk, nc, sc, lds, na);
+        score_block<kKind, 1>(qr, E, kc, ldk, nc, sc, lds, 0);
       r0 += rb;
     }
   }
@@ -262,8 +268,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // whole (up to 32 NP columns), in address order, as key rows are (key_dot).
 // Rows past rr repeat the last real one (computed, never stored). The same
 // columns of the first n_ahead rows of the next chunk (kValueKeys rows on)
-// are fetched into L2 (fetch_row_l2).
-template <int kKind, int RB, int NP>
+// are fetched into L2 (fetch_row_l2) where kFetch (as score_block).
+template <int kKind, int RB, int NP, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const float* p, int64_t ldp, int64_t rr,
                                                                     int64_t nj, const char* v, int64_t ldv_bytes,
                                                                     int64_t cols, float* o, int64_t ldo,
@@ -276,7 +282,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const floa
   __mmask16 mk[2 * NP];  // the real columns of each register
   for (int x = 0; x < 2 * NP; ++x) mk[x] = lanes(cols - 16 * x);
   for (int64_t j = 0; j < nj; ++j) {
-    if (j < n_ahead) fetch_row_l2(v + (j + kValueKeys) * ldv_bytes, cols * (kKind == 0 ? 4 : 2));
+    if constexpr (kFetch)
+      if (j < n_ahead) fetch_row_l2(v + (j + kValueKeys) * ldv_bytes, cols * (kKind == 0 ? 4 : 2));
     __m512 pb[RB];
     for (int r = 0; r < RB; ++r) pb[r] = _mm512_set1_ps(pr[r][j]);
     for (int h = 0; h < NP; ++h) {
@@ -318,7 +325,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const floa
 // 128-bit lanes: the low unpack holds columns 8 L .. 8 L + 3 of lane L, the
 // high one 8 L + 4 .. 8 L + 7, sorted back on the way out. An odd last key
 // pairs with a zero row, never read. Same signature as value_block.
-template <int RB, int NP>
+template <int RB, int NP, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_block_dp(
     const float* p, int64_t ldp, int64_t rr, int64_t nj, const char* v, int64_t ldv_bytes, int64_t cols, float* o,
     int64_t ldo, int64_t n_ahead) {
@@ -337,7 +344,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_block
     const uint16_t* v0 = reinterpret_cast<const uint16_t*>(v + j * ldv_bytes);
     const uint16_t* v1 = reinterpret_cast<const uint16_t*>(v + (j + 1) * ldv_bytes);
     const bool two = j + 1 < nj;
-    for (int64_t x = j; x < j + 2 && x < n_ahead; ++x) fetch_row_l2(v + (x + kValueKeys) * ldv_bytes, cols * 2);
+    if constexpr (kFetch)
+      for (int64_t x = j; x < j + 2 && x < n_ahead; ++x) fetch_row_l2(v + (x + kValueKeys) * ldv_bytes, cols * 2);
     __m512i pw[RB];  // (P[j], P[j + 1]) of row r in every 32-bit lane
     for (int r = 0; r < RB; ++r) {
       int32_t w;
@@ -378,14 +386,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_block
 // value_block, or for kind 3 value_block_dp where it serves several rows (one
 // row a pass spends as much on pairing the value rows as it saves: 0.89-0.98x
 // with one query row a head, 12 x 64 heads)
-template <int kKind, int RB, int NP>
+template <int kKind, int RB, int NP, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void value_rows(
     const float* p, int64_t ldp, int64_t rr, int64_t nj, const char* v, int64_t ldv_bytes, int64_t cols, float* o,
     int64_t ldo, int64_t n_ahead) {
   if constexpr (kKind == 3 && RB > 1)
-    value_block_dp<RB, NP>(p, ldp, rr, nj, v, ldv_bytes, cols, o, ldo, n_ahead);
+    value_block_dp<RB, NP, kFetch>(p, ldp, rr, nj, v, ldv_bytes, cols, o, ldo, n_ahead);
   else
-    value_block<kKind == 3 ? 1 : kKind, RB, NP>(p, ldp, rr, nj, v, ldv_bytes, cols, o, ldo, n_ahead);
+    value_block<kKind == 3 ? 1 : kKind, RB, NP, kFetch>(p, ldp, rr, nj, v, ldv_bytes, cols, o, ldo, n_ahead);
 }
 
 // O (R x Ev) += P (R x n) V (n x Ev) by chunks of kValueKeys keys (L1-sized),
@@ -409,22 +417,29 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
         const float* pr = p + r0 * ldp + j0;
         float* orow = o + r0 * ldo + c0;
         const int64_t rr = R - r0, rb = rr == 1 ? 1 : cols <= 32 ? 8 : cols <= 64 ? 4 : cols <= 128 ? 2 : 1;
-        const int64_t na = r0 > 0 && rr > rb ? std::exchange(ahead, 0) : 0;  // the second of 3 or more passes
+        // the second of 3 or more passes (of 4 or 2 rows: value rows of up to 128 columns) fetches
+        const int64_t na = r0 > 0 && rr > rb && (rb == 4 || rb == 2) ? std::exchange(ahead, 0) : 0;
         if (rr == 1 && cols <= 128) {  // one row: no work on copies of it
           if (cols <= 32)
-            value_rows<kKind, 1, 1>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, na);
+            value_rows<kKind, 1, 1>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, 0);
           else if (cols <= 64)
-            value_rows<kKind, 1, 2>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, na);
+            value_rows<kKind, 1, 2>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, 0);
           else
-            value_rows<kKind, 1, 4>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, na);
+            value_rows<kKind, 1, 4>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, 0);
         } else if (rb == 8) {
-          value_rows<kKind, 8, 1>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, na);
+          value_rows<kKind, 8, 1>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, 0);
         } else if (rb == 4) {
-          value_rows<kKind, 4, 2>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, na);
+          if (na > 0)
+            value_rows<kKind, 4, 2, true>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, na);
+          else
+            value_rows<kKind, 4, 2>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, 0);
         } else if (rb == 2) {
-          value_rows<kKind, 2, 4>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, na);
+          if (na > 0)
+            value_rows<kKind, 2, 4, true>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, na);
+          else
+            value_rows<kKind, 2, 4>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, 0);
         } else {
-          value_rows<kKind, 1, 8>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, na);
+          value_rows<kKind, 1, 8>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, 0);
         }
         r0 += rb;
       }
