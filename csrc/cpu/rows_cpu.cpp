@@ -120,7 +120,7 @@ __attribute__((target("avx512f"))) inline __m512 dot_step(__m512 acc, __m512 q, 
 // memory and the other passes from L1, which leaves memory idle meanwhile:
 // with three passes or more, the second fetches the next block's rows into
 // L2 for the next first pass (measured in the README, "Decoding"; into L1
-// instead, two blocks ahead, or with two passes, it did worse).
+// or with two passes it did worse, two blocks ahead no better).
 __attribute__((always_inline)) inline void fetch_row_l2(const void* row, int64_t bytes) {
   const char* c = static_cast<const char*>(row);
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
