@@ -8,6 +8,11 @@ loops interleaved, medians.
     python bench/bench_kvcache.py            # 512 steps after a 1024-token prompt
     python bench/bench_kvcache.py --quick
 
+A second table: one decode step of a batch whose caches hold different
+numbers of keys (one long among short ones), mha_ext.kvcache_attention
+against F.scaled_dot_product_attention on the padded cache with a key mask
+(what a torch user runs for such a batch), calls interleaved, medians.
+
 Writes markdown to bench/out/kvcache.md and prints it.
 """
 import argparse
@@ -22,7 +27,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import mha_ext  # noqa: E402
-from bench_attention import cpu_name, write_report  # noqa: E402
+from bench_attention import cpu_name, median_times, write_report  # noqa: E402
 
 
 def loops(B, hq, hkv, D, prompt, steps, dtype):
@@ -69,6 +74,31 @@ def loops(B, hq, hkv, D, prompt, steps, dtype):
             concatenating(mha_ext.scaled_dot_product_attention), paged]
 
 
+def ragged_rows(reps):
+    """Markdown rows: one step (a query row a head) against caches of different lengths."""
+    cases = [((32768, 1024, 1024, 1024), 32, 8, 128), ((16384, 16384) + (512,) * 6, 32, 8, 128),
+             ((8192,) + (256,) * 15, 12, 12, 64)]
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for lens, hq, hkv, D in cases:
+            g = torch.Generator().manual_seed(0)
+            B, S = len(lens), max(lens)
+            q = torch.randn(B, 1, hq, D, generator=g).to(dtype)
+            kc, vc = (torch.randn(B, S, hkv, D, generator=g).to(dtype) for _ in range(2))
+            seqlens = torch.tensor(lens, dtype=torch.int32)
+            keep = (torch.arange(S) < seqlens[:, None])[:, None, None, :]  # (B, 1, 1, S)
+            qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+            fns = [lambda: mha_ext.kvcache_attention(q, kc, vc, seqlens),
+                   lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=keep, enable_gqa=hq != hkv)]
+            ta, tb = median_times(fns, reps)
+            kv = 2 * sum(lens) * hkv * D * kc.element_size()
+            shown = ", ".join(str(n) for n in lens[:3]) + (", .." if B > 3 else "")
+            rows.append(f"| {str(dtype).replace('torch.', '')} | {B}, {hq}, {hkv}, {D} | {shown} | {ta * 1e3:.3f} | "
+                        f"{tb * 1e3:.3f} | {tb / ta:.2f} | {kv / ta / 1e9:.1f} |")
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -98,6 +128,12 @@ def main():
             lines.append(f"| {str(dtype).replace('torch.', '')} | {B}, {hq}, {hkv}, {D} | {med[0] * 1e3:.3f} | "
                          f"{med[1] * 1e3:.3f} | {med[2] * 1e3:.3f} | {med[1] / med[0]:.2f} | {med[3] * 1e3:.3f} | "
                          f"{med[3] / med[0]:.2f} |")
+    lines += ["", "One step against caches of different lengths (a query row a head): mha_ext.kvcache_attention "
+              "against F.scaled_dot_product_attention on the padded cache with a boolean key mask; medians of "
+              f"{3 * args.reps} interleaved calls; K/V GB/s counts the keys each batch holds.", "",
+              "| dtype | B, Hq, Hkv, D | cache lengths | mha_ext ms | torch SDPA + mask ms | torch / mha_ext | "
+              "mha_ext K/V GB/s |", "|---|---|---|---|---|---|---|"]
+    lines += ragged_rows(3 * args.reps)
     write_report("kvcache.md", lines)
 
 

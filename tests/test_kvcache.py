@@ -121,6 +121,33 @@ def test_kvcache_without_new_keys_and_empty_batches():
     torch.testing.assert_close(lse[1:].double(), ref_lse[1:], rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kvcache_ragged_lengths_do_not_depend_on_the_thread_count(dtype):
+    # One long cache among short and empty ones: the threads claim the
+    # work items as they go, so which thread runs an item changes from run
+    # to run; results bit-equal for 1, 2 and 3 threads, and the reference's
+    # (split and unsplit heads: 4 x 2 and 16 x 4 key/value heads)
+    for B, hkv, seqlens in ((4, 2, (3000, 9, 700, 0)), (16, 4, (1500,) + (40,) * 14 + (0,))):
+        q, kc, vc, _, kn, vn = _make(B=B, S_max=3002, hq=2 * hkv, hkv=hkv, E=64, Ev=64, L=2, seqlens=seqlens,
+                                     dtype=dtype)
+        sl = torch.tensor(seqlens, dtype=torch.int32)
+        threads = torch.get_num_threads()
+        runs = []
+        try:
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                kc_n, vc_n = kc.clone(), vc.clone()
+                runs.append(_run(q, kc_n, vc_n, sl, kn, vn, is_causal=True))
+        finally:
+            torch.set_num_threads(threads)
+        for out, lse in runs[1:]:
+            assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+        ref, ref_lse = _reference(q, kc, vc, sl, kn, vn, is_causal=True)
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(runs[0][0].double(), ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(runs[0][1].double(), ref_lse, rtol=tol, atol=tol)
+
+
 def test_generation_loop_matches_a_concatenating_cache():
     # what transformers' DynamicCache does: the whole history concatenated every step, then SDPA
     torch.manual_seed(0)

@@ -14,6 +14,8 @@
 // bfloat16 tiles are widened to float first.
 #include "kernel_common_cpu.h"
 
+#include <atomic>
+
 namespace mha_ext {
 
 void dropout_keep_row_cpu(const DropoutParams& d, uint64_t row, int64_t j0, int64_t n, uint8_t* keep) {
@@ -127,7 +129,17 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   const int64_t item_keys = std::min(split_tiles * kBlockN, std::max<int64_t>(kv_end - kv_begin, 1));
   const int64_t item_bytes = std::max<int64_t>(item_keys * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t)), 1);
   const int64_t grain = std::max<int64_t>(1, kGroupBytes / item_bytes);
-  at::parallel_for(0, heads * n_splits, grain, [&](int64_t begin, int64_t end) {
+  // Items split-major, then batch, then key/value head. With a KV cache's
+  // per-batch key counts the threads claim groups of items from a shared
+  // counter as they go, so a long sequence among short ones leaves no
+  // thread idle (fixed ranges gave one thread the long items: the README,
+  // "KV cache"); dense calls, whose items are all alike, keep
+  // at::parallel_for's fixed ranges (the counter cost small calls 3%). An
+  // item's result never depends on the thread that runs it.
+  const int64_t items = heads * n_splits;
+  const bool claim = p.seqlens_k != nullptr;
+  std::atomic<int64_t> claimed{0};
+  at::parallel_for(0, claim ? at::get_num_threads() : items, claim ? 1 : grain, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> qr(R * E), s_buf(R * kBlockN);
     Buffer<acc_t> own_o(direct ? R * Ev : 0), own_m(direct ? R : 0), own_l(direct ? R : 0), acc(direct ? Ev : 0);
     Buffer<uint16_t> q_bits(std::is_same_v<scalar_t, c10::BFloat16> ? R * E : 0);
@@ -135,8 +147,13 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
     // at a time): sized for that only, as zeroing them was a tenth of a small call
     Buffer<acc_t> k_buf(p.k_stride.col != 1 ? kBlockN * E : 0);
     Buffer<acc_t> v_buf(tile_needs_pack<scalar_t, acc_t>(p.v_stride.col) ? kVRows * Ev : 0);
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t split = w % n_splits, bk = w / n_splits, b = bk / Hkv, hk = bk % Hkv;
+    for (int64_t w = claim ? 0 : begin, w_end = claim ? 0 : end;; ++w) {
+      if (w >= w_end) {  // this thread's range is done: claim the next group, if any
+        if (!claim || (w = claimed.fetch_add(grain)) >= items) break;
+        w_end = std::min(w + grain, items);
+      }
+      const int64_t hk = w % Hkv, b = w / Hkv % p.batch, split = w / heads, bk = b * Hkv + hk;
+      const int64_t part = bk * n_splits + split;  // a head's splits side by side, in order, for the merge
       const AttentionFwdParams sp = sequence_params<scalar_t, acc_t>(p, b);  // p itself without a KV cache
       for (int64_t r = 0; r < R; ++r) {  // row r = g L + i: query row i of head hk G + g, scaled
         const scalar_t* src = q + b * p.q_stride.b + (hk * G + r / L) * p.q_stride.h + (r % L) * p.q_stride.row;
@@ -148,9 +165,9 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)  // the unscaled bits, for cpu::dot_rows_bf16
           for (int64_t e = 0; e < E; ++e) q_bits[r * E + e] = src[e * p.q_stride.col].x;
       }
-      acc_t* o = direct ? own_o.data() : part_o.data() + w * R * Ev;
-      acc_t* m = direct ? own_m.data() : part_m.data() + w * R;
-      acc_t* l = direct ? own_l.data() : part_l.data() + w * R;
+      acc_t* o = direct ? own_o.data() : part_o.data() + part * R * Ev;
+      acc_t* m = direct ? own_m.data() : part_m.data() + part * R;
+      acc_t* l = direct ? own_l.data() : part_l.data() + part * R;
       std::fill(o, o + R * Ev, acc_t(0));
       std::fill(m, m + R, kNegInf);
       std::fill(l, l + R, acc_t(0));
