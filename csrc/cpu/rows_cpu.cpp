@@ -119,11 +119,21 @@ __attribute__((target("avx512f"))) inline __m512 dot_step(__m512 acc, __m512 q, 
 // pass holds, a block's first pass reads its key (or value) rows from
 // memory and the other passes from L1, which leaves memory idle meanwhile:
 // with three passes or more, the second fetches the next block's rows into
-// L2 for the next first pass (measured in the README, "Decoding"; into L1
-// or with two passes it did worse, two blocks ahead no better).
+// L2 for the next first pass, spread over the pass (measured in the README,
+// "Decoding"; into L1, all at once before the pass, or with two passes it
+// did worse, two blocks ahead no better). Rows that are not adjacent in
+// memory (a (B, S, H, D) KV cache: a row every H D elements), which the
+// hardware prefetcher does not follow, are fetched all at once before a
+// block's first pass instead (fetch_rows_l2).
 __attribute__((always_inline)) inline void fetch_row_l2(const void* row, int64_t bytes) {
   const char* c = static_cast<const char*>(row);
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+}
+
+// `rows` rows of `bytes` bytes, `stride` bytes apart from `first`, fetched into L2.
+inline void fetch_rows_l2(const void* first, int64_t stride, int64_t rows, int64_t bytes) {
+  const char* row = static_cast<const char*>(first);
+  for (int64_t r = 0; r < rows; ++r, row += stride) fetch_row_l2(row, bytes);
 }
 
 // acc[r KB + C] += the dot products of key row k with query rows qr[r]:
@@ -192,16 +202,21 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const type
 
 // S (R x n, row stride lds) = Q K^T by blocks of 16 keys: four query rows at a
 // time (4 x 4 sub-blocks), then two (2 x 8), then one (1 x 16). The block's
-// key rows stay in L1 for the next query rows; with three passes or more
-// the second fetches the next block's into L2 (fetch_row_l2).
+// key rows stay in L1 for the next query rows; the next block's are fetched
+// into L2 (fetch_row_l2, fetch_rows_l2).
 template <int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const typename ScoreKind<kKind>::Q* q,
                                                                         int64_t R, int64_t E,
                                                                         const typename ScoreKind<kKind>::K* k,
                                                                         int64_t ldk, int64_t n, float* s, int64_t lds) {
+  const bool adjacent = ldk == E;
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
     const int64_t nc = std::min<int64_t>(16, n - c0);
-    for (int64_t r0 = 0, ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16); r0 < R;) {
+    int64_t ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16);  // rows of the next block
+    if (!adjacent)
+      fetch_rows_l2(k + (c0 + 16) * ldk, ldk * static_cast<int64_t>(sizeof(*k)), std::exchange(ahead, 0),
+                    E * static_cast<int64_t>(sizeof(*k)));
+    for (int64_t r0 = 0; r0 < R;) {
       const int64_t rr = R - r0, rb = rr >= 4 ? 4 : rr >= 2 ? 2 : 1;
       // the second of 3 or more passes (of 4 rows: R > 8) fetches
       const int64_t na = r0 > 0 && rr > rb && rb == 4 ? std::exchange(ahead, 0) : 0;
@@ -400,8 +415,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // each read from memory once by the first rows' pass and from L1 by the
 // rest: 8 rows at a time with up to 32 columns, 4 with up to 64, 2 with up
 // to 128, else 1 row and 256 columns at a time; a last single row alone,
-// over the columns it has. With three passes or more the second fetches
-// the next chunk's rows into L2 (fetch_row_l2).
+// over the columns it has. The next chunk's rows are fetched into L2
+// (fetch_row_l2, fetch_rows_l2).
 template <int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const float* p, int64_t R, int64_t n,
                                                                          int64_t ldp, const void* v, int64_t ldv,
@@ -413,7 +428,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
     for (int64_t c0 = 0; c0 < Ev; c0 += 256) {
       const int64_t cols = std::min<int64_t>(256, Ev - c0);
       const char* vc = vb + j0 * ldv_bytes + c0 * elem;
-      for (int64_t r0 = 0, ahead = std::clamp<int64_t>(n - j0 - kValueKeys, 0, kValueKeys); r0 < R;) {
+      int64_t ahead = std::clamp<int64_t>(n - j0 - kValueKeys, 0, kValueKeys);  // rows of the next chunk
+      if (ldv != Ev)  // rows not adjacent in memory
+        fetch_rows_l2(vc + kValueKeys * ldv_bytes, ldv_bytes, std::exchange(ahead, 0), cols * elem);
+      for (int64_t r0 = 0; r0 < R;) {
         const float* pr = p + r0 * ldp + j0;
         float* orow = o + r0 * ldo + c0;
         const int64_t rr = R - r0, rb = rr == 1 ? 1 : cols <= 32 ? 8 : cols <= 64 ? 4 : cols <= 128 ? 2 : 1;
