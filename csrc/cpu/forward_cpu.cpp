@@ -15,6 +15,8 @@
 #include "kernel_common_cpu.h"
 
 #include <atomic>
+#include <numeric>
+#include <vector>
 
 namespace mha_ext {
 
@@ -129,15 +131,28 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   const int64_t item_keys = std::min(split_tiles * kBlockN, std::max<int64_t>(kv_end - kv_begin, 1));
   const int64_t item_bytes = std::max<int64_t>(item_keys * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t)), 1);
   const int64_t grain = std::max<int64_t>(1, kGroupBytes / item_bytes);
-  // Items split-major, then batch, then key/value head. With a KV cache's
-  // per-batch key counts the threads claim groups of items from a shared
-  // counter as they go, so a long sequence among short ones leaves no
-  // thread idle (fixed ranges gave one thread the long items: the README,
-  // "KV cache"); dense calls, whose items are all alike, keep
-  // at::parallel_for's fixed ranges (the counter cost small calls 3%). An
-  // item's result never depends on the thread that runs it.
+  // A KV cache's batches may hold very different key counts, and then
+  // at::parallel_for's fixed ranges of items give one thread the long ones.
+  // Where they would leave a thread over a quarter more keys than an even
+  // share, the threads claim groups of items from a shared counter as they
+  // go instead (the README, "KV cache"). Elsewhere the fixed ranges stay:
+  // a thread keeps the same items from one decode step to the next, and
+  // their keys in its caches (claimed items moved between the cores and a
+  // generation loop ran up to a third slower), and small calls skip the
+  // counter (3%). An item's result never depends on the thread that runs it.
   const int64_t items = heads * n_splits;
-  const bool claim = p.seqlens_k != nullptr;
+  bool claim = false;
+  if (p.seqlens_k != nullptr) {  // the keys each thread's fixed range would read
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (items + grain - 1) / grain));
+    const int64_t chunk = (items + threads - 1) / threads;
+    std::vector<int64_t> keys(threads, 0);
+    for (int64_t w = 0; w < items; ++w) {
+      const int64_t len = sequence_params<scalar_t, acc_t>(p, w / n_splits / Hkv).len_kv;
+      keys[w / chunk] += std::clamp<int64_t>(len - w % n_splits * split_tiles * kBlockN, 0, split_tiles * kBlockN);
+    }
+    const int64_t total = std::accumulate(keys.begin(), keys.end(), int64_t(0));
+    claim = *std::max_element(keys.begin(), keys.end()) * 4 * threads > total * 5;
+  }
   std::atomic<int64_t> claimed{0};
   at::parallel_for(0, claim ? at::get_num_threads() : items, claim ? 1 : grain, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> qr(R * E), s_buf(R * kBlockN);
@@ -152,8 +167,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         if (!claim || (w = claimed.fetch_add(grain)) >= items) break;
         w_end = std::min(w + grain, items);
       }
-      const int64_t hk = w % Hkv, b = w / Hkv % p.batch, split = w / heads, bk = b * Hkv + hk;
-      const int64_t part = bk * n_splits + split;  // a head's splits side by side, in order, for the merge
+      const int64_t split = w % n_splits, bk = w / n_splits, b = bk / Hkv, hk = bk % Hkv;
       const AttentionFwdParams sp = sequence_params<scalar_t, acc_t>(p, b);  // p itself without a KV cache
       for (int64_t r = 0; r < R; ++r) {  // row r = g L + i: query row i of head hk G + g, scaled
         const scalar_t* src = q + b * p.q_stride.b + (hk * G + r / L) * p.q_stride.h + (r % L) * p.q_stride.row;
@@ -165,9 +179,9 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)  // the unscaled bits, for cpu::dot_rows_bf16
           for (int64_t e = 0; e < E; ++e) q_bits[r * E + e] = src[e * p.q_stride.col].x;
       }
-      acc_t* o = direct ? own_o.data() : part_o.data() + part * R * Ev;
-      acc_t* m = direct ? own_m.data() : part_m.data() + part * R;
-      acc_t* l = direct ? own_l.data() : part_l.data() + part * R;
+      acc_t* o = direct ? own_o.data() : part_o.data() + w * R * Ev;
+      acc_t* m = direct ? own_m.data() : part_m.data() + w * R;
+      acc_t* l = direct ? own_l.data() : part_l.data() + w * R;
       std::fill(o, o + R * Ev, acc_t(0));
       std::fill(m, m + R, kNegInf);
       std::fill(l, l + R, acc_t(0));
