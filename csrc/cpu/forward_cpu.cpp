@@ -146,9 +146,10 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (items + grain - 1) / grain));
     const int64_t chunk = (items + threads - 1) / threads;
     std::vector<int64_t> keys(threads, 0);
-    for (int64_t w = 0; w < items; ++w) {
-      const int64_t len = sequence_params<scalar_t, acc_t>(p, w / n_splits / Hkv).len_kv;
-      keys[w / chunk] += std::clamp<int64_t>(len - w % n_splits * split_tiles * kBlockN, 0, split_tiles * kBlockN);
+    for (int64_t b = 0, w = 0; b < p.batch; ++b) {  // item w = (b Hkv + hk) n_splits + split
+      const int64_t len = sequence_params<scalar_t, acc_t>(p, b).len_kv;
+      for (int64_t x = 0; x < Hkv * n_splits; ++x, ++w)
+        keys[w / chunk] += std::clamp<int64_t>(len - x % n_splits * split_tiles * kBlockN, 0, split_tiles * kBlockN);
     }
     const int64_t total = std::accumulate(keys.begin(), keys.end(), int64_t(0));
     claim = *std::max_element(keys.begin(), keys.end()) * 4 * threads > total * 5;
