@@ -16,6 +16,7 @@
 
 #include <atomic>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 namespace mha_ext {
@@ -141,15 +142,22 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   // generation loop ran up to a third slower), and small calls skip the
   // counter (3%). An item's result never depends on the thread that runs it.
   const int64_t items = heads * n_splits;
+  // the keys [j_lo, j_hi) split `split` of a sequence reads (sp: its params)
+  auto split_keys = [&](const AttentionFwdParams& sp, int64_t split) {
+    const int64_t j_lo = visible_kv_begin(sp, 0) / kBlockN * kBlockN + split * split_tiles * kBlockN;
+    return std::make_pair(j_lo, std::min(visible_kv_end(sp, 0, L), j_lo + split_tiles * kBlockN));
+  };
   bool claim = false;
   if (p.seqlens_k != nullptr) {  // the keys each thread's fixed range would read
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (items + grain - 1) / grain));
     const int64_t chunk = (items + threads - 1) / threads;
     std::vector<int64_t> keys(threads, 0);
     for (int64_t b = 0, w = 0; b < p.batch; ++b) {  // item w = (b Hkv + hk) n_splits + split
-      const int64_t len = sequence_params<scalar_t, acc_t>(p, b).len_kv;
-      for (int64_t x = 0; x < Hkv * n_splits; ++x, ++w)
-        keys[w / chunk] += std::clamp<int64_t>(len - x % n_splits * split_tiles * kBlockN, 0, split_tiles * kBlockN);
+      const AttentionFwdParams sp = sequence_params<scalar_t, acc_t>(p, b);
+      for (int64_t x = 0; x < Hkv * n_splits; ++x, ++w) {
+        const auto [j_lo, j_hi] = split_keys(sp, x % n_splits);
+        keys[w / chunk] += std::max<int64_t>(j_hi - j_lo, 0);
+      }
     }
     const int64_t total = std::accumulate(keys.begin(), keys.end(), int64_t(0));
     claim = *std::max_element(keys.begin(), keys.end()) * 4 * threads > total * 5;
@@ -186,8 +194,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
       std::fill(o, o + R * Ev, acc_t(0));
       std::fill(m, m + R, kNegInf);
       std::fill(l, l + R, acc_t(0));
-      const int64_t j_lo = visible_kv_begin(sp, 0) / kBlockN * kBlockN + split * split_tiles * kBlockN;
-      const int64_t j_hi = std::min(visible_kv_end(sp, 0, L), j_lo + split_tiles * kBlockN);
+      const auto [j_lo, j_hi] = split_keys(sp, split);
       for (int64_t j0 = j_lo; j0 < j_hi; j0 += kBlockN) {
         const int64_t n = std::min(kBlockN, j_hi - j0);
         int64_t ldk = 0, ldv = 0;
