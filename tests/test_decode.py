@@ -27,6 +27,9 @@ SHAPES = [
     (2, 14, 2, 2, 100, 48, 80),     # 14 rows (4 + 4 + 4 + 2), 80 value columns two rows at a time
     (8, 16, 8, 2, 300, 32, 24),     # 64 key/value heads: one split each, rows written by their item
     (4, 16, 16, 16, 40, 32, 32),    # an encoder's 16-row heads (64 of them), 8 rows at a time
+    # 16 rows a group, float32: one row a lane (score_block_t, value_rows_t) with
+    (1, 32, 8, 4, 1000, 37, 40),    # 4 x 8 + 5 key columns, 16 + 16 + 8 value columns, ragged tiles
+    (2, 8, 1, 2, 600, 128, 128),    # one key/value head: its keys split across the threads
 ]
 
 
@@ -78,10 +81,12 @@ def test_decode_variants_match_reference(variant):
     _check(q, k, v, **variant)
 
 
+@pytest.mark.parametrize("hq", [8, 16], ids=["8 rows a group", "16 rows a group"])
 @pytest.mark.parametrize("batch", [2, 32], ids=["split keys", "one split a head"])
-def test_decode_masks_empty_rows_and_nan(batch):
-    q, k, v = _inputs((batch, 8, 2, 2, 1500, 16, 16), torch.float32)
-    mask = torch.rand(batch, 8, 2, 1500, generator=torch.Generator().manual_seed(3)) > 0.3
+def test_decode_masks_empty_rows_and_nan(batch, hq):
+    q, k, v = _inputs((batch, hq, 2, 2, 1500, 16, 16), torch.float32)
+    g = hq // 2  # query heads a group
+    mask = torch.rand(batch, hq, 2, 1500, generator=torch.Generator().manual_seed(3)) > 0.3
     mask[0, 1, 0] = False  # a row with no key: output 0, lse -inf
     mask[1, :, 1, :1200] = False  # keys only in the last tiles (with splits: the last split)
     out, lse = _check(q, k, v, mask)
@@ -89,8 +94,13 @@ def test_decode_masks_empty_rows_and_nan(batch):
     k2 = k.clone()
     k2[1, 0, 900] = float("nan")  # NaN in one key: the rows of its group become NaN, no others
     out2, lse2 = op.attention(q, k2, v, None, 0.0, False, None, True)[:2]
-    assert out2[1, :4].isnan().all() and lse2[1, :4].isnan().all()
-    assert not out2[0].isnan().any() and not out2[1, 4:].isnan().any()
+    assert out2[1, :g].isnan().all() and lse2[1, :g].isnan().all()
+    assert not out2[0].isnan().any() and not out2[1, g:].isnan().any()
+    v2 = v.clone()
+    v2[0, 0, 700, 0] = float("inf")  # an infinite value: NaN or inf in its column only, for every row of the group
+    out3 = op.attention(q, k, v2, None, 0.0, False, None, True)[0]
+    assert not out3[0, g:].isnan().any() and not out3[0, :g, :, 1:].isnan().any()
+    assert not out3[0, :g, :, 0].isfinite().any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -80,6 +80,19 @@ def test_kvcache_matches_reference_and_writes_the_cache(name, dtype, L):
         assert torch.equal(kc[b], want_k) and torch.equal(vc[b], want_v)
 
 
+@pytest.mark.parametrize("name", ["plain", "causal", "window"])
+def test_kvcache_sixteen_rows_a_group(name):
+    # 16 query rows a key/value head (4 query heads a group, 4 new rows), float32:
+    # the decode kernel's one-row-a-lane routines, reading key and value rows
+    # Hkv D elements apart in the (B, S, Hkv, D) cache
+    q, kc, vc, sl, kn, vn = _make(B=2, S_max=1100, hq=8, hkv=2, E=40, Ev=72, L=4, seqlens=(1030, 300))
+    kc0, vc0 = kc.clone(), vc.clone()
+    out, lse = _run(q, kc, vc, sl, kn, vn, **VARIANTS[name])
+    ref, ref_lse = _reference(q, kc0, vc0, sl, kn, vn, **VARIANTS[name])
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-5, atol=2e-5)
+
+
 @pytest.fixture(scope="module", params=[
     "emul", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 def device_backend(request):

@@ -2,12 +2,14 @@
 // query rows as dot products with each key row, and P V, each key and value
 // row read whole and in address order (bfloat16 / float16 rows widened in
 // registers); bfloat16 / float16 rows widened to float; on the run-time
-// instruction-set choice of gemm_cpu.h.
+// instruction-set choice of gemm_cpu.h. Groups of 16 float32 rows go to
+// rows_lanes_cpu.cpp (one row a vector lane).
 #include "gemm_cpu.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "rows_avx512.h"
 #include "x86_intrinsics.h"
 
 #include <algorithm>
@@ -18,6 +20,13 @@
 namespace mha_ext {
 namespace cpu {
 namespace {
+#if MHA_X86
+using rows::fetch_row_l2;
+using rows::fetch_rows_l2;
+using rows::kValueKeys;
+using rows::lanes;
+using rows::lanes32;
+#endif
 
 float bits_to_float(uint16_t x, bool bf16) {
   return bf16 ? static_cast<float>(c10::BFloat16(x, c10::BFloat16::from_bits()))
@@ -45,14 +54,6 @@ void dot_rows_16_generic(const float* q, int64_t R, int64_t E, const uint16_t* k
 }
 
 #if MHA_X86
-__attribute__((target("avx512f"))) inline __mmask16 lanes(int64_t left) {
-  return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-}
-// the same for 32 16-bit lanes
-inline __mmask32 lanes32(int64_t left) {
-  return left >= 32 ? __mmask32(0xFFFFFFFFu) : left <= 0 ? __mmask32(0) : __mmask32((1u << left) - 1);
-}
-
 // Sixteen sums at once: lane l of the result is the sum of the lanes of
 // x[l]. A tree of 15 steps, each two shuffles and an add (halves, quarters,
 // pairs, single lanes), in place of a horizontal sum per vector; its order
@@ -71,9 +72,6 @@ __attribute__((target("avx512f"))) inline __m512 sum16(const __m512* x) {
     d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
   return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
 }
-
-// Key (value) rows a P V chunk takes at a time: L1-sized (acc_rows_avx512).
-constexpr int64_t kValueKeys = 32;
 
 // Score kinds: 0 float32; 1 bfloat16 and 2 float16 key rows widened in the
 // register (no widened copy of the tile goes through the caches); 3
@@ -113,27 +111,6 @@ __attribute__((target("avx512f"))) inline __m512 dot_step(__m512 acc, __m512 q, 
   } else {
     return _mm512_fmadd_ps(q, k, acc);
   }
-}
-
-// A row of `bytes` bytes fetched into L2. With more query rows than one
-// pass holds, a block's first pass reads its key (or value) rows from
-// memory and the other passes from L1, which leaves memory idle meanwhile:
-// with three passes or more, the second fetches the next block's rows into
-// L2 for the next first pass, spread over the pass (measured in the README,
-// "Decoding"; into L1, all at once before the pass, or with two passes it
-// did worse, two blocks ahead no better). Rows that are not adjacent in
-// memory (a (B, S, H, D) KV cache: a row every H D elements), which the
-// hardware prefetcher does not follow, are fetched all at once before a
-// block's first pass instead (fetch_rows_l2).
-__attribute__((always_inline)) inline void fetch_row_l2(const void* row, int64_t bytes) {
-  const char* c = static_cast<const char*>(row);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
-}
-
-// `rows` rows of `bytes` bytes, `stride` bytes apart from `first`, fetched into L2.
-inline void fetch_rows_l2(const void* first, int64_t stride, int64_t rows, int64_t bytes) {
-  const char* row = static_cast<const char*>(first);
-  for (int64_t r = 0; r < rows; ++r, row += stride) fetch_row_l2(row, bytes);
 }
 
 // acc[r KB + C] += the dot products of key row k with query rows qr[r]:
@@ -210,6 +187,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
                                                                         const typename ScoreKind<kKind>::K* k,
                                                                         int64_t ldk, int64_t n, float* s, int64_t lds) {
   const bool adjacent = ldk == E;
+  // float32, groups of 16 rows: one a lane (rows_lanes_cpu.cpp)
+  int64_t r_t = 0;
+  if constexpr (kKind == 0) r_t = rows::dot_rows_lanes(q, R, E, k, ldk, n, s, lds);
+  if (r_t >= R) return;
+  q += r_t * E, R -= r_t, s += r_t * lds;
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
     const int64_t nc = std::min<int64_t>(16, n - c0);
     int64_t ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16);  // rows of the next block
@@ -421,6 +403,11 @@ template <int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const float* p, int64_t R, int64_t n,
                                                                          int64_t ldp, const void* v, int64_t ldv,
                                                                          int64_t Ev, float* o, int64_t ldo) {
+  if constexpr (kKind == 0) {  // float32, groups of 16 rows: one a lane (rows_lanes_cpu.cpp)
+    const int64_t r_t = rows::acc_rows_lanes(p, R, n, ldp, static_cast<const float*>(v), ldv, Ev, o, ldo);
+    if (r_t >= R) return;
+    p += r_t * ldp, o += r_t * ldo, R -= r_t;
+  }
   const int64_t elem = kKind == 0 ? 4 : 2, ldv_bytes = ldv * elem;
   const char* vb = static_cast<const char*>(v);
   for (int64_t j0 = 0; j0 < n; j0 += kValueKeys) {

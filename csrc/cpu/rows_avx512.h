@@ -1,0 +1,62 @@
+// What the AVX-512 row primitives of the decode kernel share (rows_cpu.cpp:
+// a few query rows a pass; rows_lanes_cpu.cpp: 16 float32 query rows, one a
+// vector lane): masks, the L1-sized value chunk, fetches into L2, and the
+// entry points of the one-row-a-lane routines. Empty without MHA_X86.
+#pragma once
+
+#include <cstdint>
+
+#include "x86_intrinsics.h"
+
+#if MHA_X86
+namespace mha_ext {
+namespace cpu {
+namespace rows {
+
+__attribute__((target("avx512f"))) inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+}
+// the same for 32 16-bit lanes
+inline __mmask32 lanes32(int64_t left) {
+  return left >= 32 ? __mmask32(0xFFFFFFFFu) : left <= 0 ? __mmask32(0) : __mmask32((1u << left) - 1);
+}
+
+// Key (value) rows a P V chunk takes at a time: L1-sized (acc_rows_avx512).
+constexpr int64_t kValueKeys = 32;
+
+// A row of `bytes` bytes fetched into L2. With more query rows than one
+// pass holds, a block's first pass reads its key (or value) rows from
+// memory and the other passes from L1, which leaves memory idle meanwhile:
+// with three passes or more, the second fetches the next block's rows into
+// L2 for the next first pass, spread over the pass (measured in the README,
+// "Decoding"; into L1, all at once before the pass, or with two passes it
+// did worse, two blocks ahead no better). Rows that are not adjacent in
+// memory (a (B, S, H, D) KV cache: a row every H D elements), which the
+// hardware prefetcher does not follow, are fetched all at once before a
+// block's first pass instead (fetch_rows_l2).
+__attribute__((always_inline)) inline void fetch_row_l2(const void* row, int64_t bytes) {
+  const char* c = static_cast<const char*>(row);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+}
+
+// `rows` rows of `bytes` bytes, `stride` bytes apart from `first`, fetched into L2.
+inline void fetch_rows_l2(const void* first, int64_t stride, int64_t rows, int64_t bytes) {
+  const char* row = static_cast<const char*>(first);
+  for (int64_t r = 0; r < rows; ++r, row += stride) fetch_row_l2(row, bytes);
+}
+
+
+// Float32 query rows in groups of 16, one a lane (rows_lanes_cpu.cpp); each
+// returns how many of the R rows it took (a multiple of 16), the caller
+// takes the rest. AVX-512 only.
+// S (R x n, row stride lds) = Q (R x E, dense) K^T (K: n rows, row stride ldk).
+int64_t dot_rows_lanes(const float* q, int64_t R, int64_t E, const float* k, int64_t ldk, int64_t n, float* s,
+                       int64_t lds);
+// O (R x Ev, row stride ldo) += P (R x n, row stride ldp) V (n rows, row stride ldv).
+int64_t acc_rows_lanes(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v, int64_t ldv, int64_t Ev,
+                       float* o, int64_t ldo);
+
+}  // namespace rows
+}  // namespace cpu
+}  // namespace mha_ext
+#endif  // MHA_X86
