@@ -21,6 +21,7 @@ namespace mha_ext {
 namespace cpu {
 namespace {
 #if MHA_X86
+using rows::fetch_page_ahead;
 using rows::fetch_row_l2;
 using rows::fetch_rows_l2;
 using rows::kValueKeys;
@@ -180,7 +181,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const type
 // S (R x n, row stride lds) = Q K^T by blocks of 16 keys: four query rows at a
 // time (4 x 4 sub-blocks), then two (2 x 8), then one (1 x 16). The block's
 // key rows stay in L1 for the next query rows; the next block's are fetched
-// into L2 (fetch_row_l2, fetch_rows_l2).
+// into L2 (fetch_row_l2, fetch_rows_l2), adjacent rows a page on into L1
+// (fetch_page_ahead).
 template <int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const typename ScoreKind<kKind>::Q* q,
                                                                         int64_t R, int64_t E,
@@ -198,6 +200,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
     if (!adjacent)
       fetch_rows_l2(k + (c0 + 16) * ldk, ldk * static_cast<int64_t>(sizeof(*k)), std::exchange(ahead, 0),
                     E * static_cast<int64_t>(sizeof(*k)));
+    else
+      fetch_page_ahead(k + c0 * ldk, nc * E * static_cast<int64_t>(sizeof(*k)));
     for (int64_t r0 = 0; r0 < R;) {
       const int64_t rr = R - r0, rb = rr >= 4 ? 4 : rr >= 2 ? 2 : 1;
       // the second of 3 or more passes (of 4 rows: R > 8) fetches
@@ -398,7 +402,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // rest: 8 rows at a time with up to 32 columns, 4 with up to 64, 2 with up
 // to 128, else 1 row and 256 columns at a time; a last single row alone,
 // over the columns it has. The next chunk's rows are fetched into L2
-// (fetch_row_l2, fetch_rows_l2).
+// (fetch_row_l2, fetch_rows_l2), adjacent rows a page on into L1
+// (fetch_page_ahead).
 template <int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const float* p, int64_t R, int64_t n,
                                                                          int64_t ldp, const void* v, int64_t ldv,
@@ -418,6 +423,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
       int64_t ahead = std::clamp<int64_t>(n - j0 - kValueKeys, 0, kValueKeys);  // rows of the next chunk
       if (ldv != Ev)  // rows not adjacent in memory
         fetch_rows_l2(vc + kValueKeys * ldv_bytes, ldv_bytes, std::exchange(ahead, 0), cols * elem);
+      else if (c0 == 0)
+        fetch_page_ahead(vc, nj * ldv_bytes);
       for (int64_t r0 = 0; r0 < R;) {
         const float* pr = p + r0 * ldp + j0;
         float* orow = o + r0 * ldo + c0;
