@@ -81,7 +81,23 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   const int64_t tiles = (kv_end > kv_begin ? (kv_end - kv_begin + kBlockN - 1) / kBlockN : 0) +
                         (p.seqlens_k != nullptr && p.variant.limits_keys() ? 1 : 0);
   const int64_t heads = p.batch * Hkv;
-  const int64_t want = std::min(std::max<int64_t>((kDecodeItems + heads - 1) / heads, 1), std::max<int64_t>(tiles, 1));
+  // A KV cache laid out (B, S, Hkv, D), paged pools alike, holds the heads
+  // inside each key row: one head's rows are Hkv D elements apart (512 B of
+  // every 4 KiB at 8 heads of 128 float32), and read head after head the
+  // memory delivered them at 0.55x the rate of adjacent rows (a plain 2-thread
+  // sum here, 40.7 against 73.4 GB/s; 53-58 with all heads of 16-256 keys in
+  // turn). Where such a cache is read from memory (past 32 MiB of visible
+  // K/V), each split is one tile and the items go split-major: the heads of a
+  // tile run one after the other, over the same pages (1.05-1.30x). Not for
+  // bfloat16 / float16 with more than 8 rows a head, bound by arithmetic
+  // there, where the one-tile splits cost 5-15% (the README, "KV-cache rows").
+  const int64_t kv_bytes =
+      heads * std::max<int64_t>(kv_end - kv_begin, 0) * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t));
+  const bool heads_in_rows = Hkv > 1 && p.k_stride.h < p.k_stride.row && p.v_stride.h < p.v_stride.row &&
+                             kv_bytes > (int64_t(32) << 20) && (sizeof(scalar_t) >= 4 || R <= 8);
+  const int64_t want = heads_in_rows ? std::max<int64_t>(tiles, 1)
+                                     : std::min(std::max<int64_t>((kDecodeItems + heads - 1) / heads, 1),
+                                                std::max<int64_t>(tiles, 1));
   const int64_t split_tiles = std::max<int64_t>((tiles + want - 1) / want, 1);
   const int64_t n_splits = std::max<int64_t>((tiles + split_tiles - 1) / split_tiles, 1);
   // One split a head (batch x key/value heads fill the threads): each item
@@ -142,6 +158,10 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   // generation loop ran up to a third slower), and small calls skip the
   // counter (3%). An item's result never depends on the thread that runs it.
   const int64_t items = heads * n_splits;
+  // item w: (key/value head bk = b Hkv + hk, split), head-major or split-major
+  auto item_of = [&](int64_t w) {
+    return heads_in_rows ? std::make_pair(w % heads, w / heads) : std::make_pair(w / n_splits, w % n_splits);
+  };
   // the keys [j_lo, j_hi) split `split` of a sequence reads (sp: its params)
   auto split_keys = [&](const AttentionFwdParams& sp, int64_t split) {
     const int64_t j_lo = visible_kv_begin(sp, 0) / kBlockN * kBlockN + split * split_tiles * kBlockN;
@@ -151,13 +171,17 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   if (p.seqlens_k != nullptr) {  // the keys each thread's fixed range would read
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (items + grain - 1) / grain));
     const int64_t chunk = (items + threads - 1) / threads;
-    std::vector<int64_t> keys(threads, 0);
-    for (int64_t b = 0, w = 0; b < p.batch; ++b) {  // item w = (b Hkv + hk) n_splits + split
+    std::vector<int64_t> keys(threads, 0), split_len(p.batch * n_splits);
+    for (int64_t b = 0; b < p.batch; ++b) {
       const AttentionFwdParams sp = sequence_params<scalar_t, acc_t>(p, b);
-      for (int64_t x = 0; x < Hkv * n_splits; ++x, ++w) {
-        const auto [j_lo, j_hi] = split_keys(sp, x % n_splits);
-        keys[w / chunk] += std::max<int64_t>(j_hi - j_lo, 0);
+      for (int64_t split = 0; split < n_splits; ++split) {
+        const auto [j_lo, j_hi] = split_keys(sp, split);
+        split_len[b * n_splits + split] = std::max<int64_t>(j_hi - j_lo, 0);
       }
+    }
+    for (int64_t w = 0; w < items; ++w) {
+      const auto [bk, split] = item_of(w);
+      keys[w / chunk] += split_len[bk / Hkv * n_splits + split];
     }
     const int64_t total = std::accumulate(keys.begin(), keys.end(), int64_t(0));
     claim = *std::max_element(keys.begin(), keys.end()) * 4 * threads > total * 5;
@@ -176,7 +200,8 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         if (!claim || (w = claimed.fetch_add(grain)) >= items) break;
         w_end = std::min(w + grain, items);
       }
-      const int64_t split = w % n_splits, bk = w / n_splits, b = bk / Hkv, hk = bk % Hkv;
+      const auto [bk, split] = item_of(w);
+      const int64_t b = bk / Hkv, hk = bk % Hkv, slot = bk * n_splits + split;  // slot: its place in part_*
       const AttentionFwdParams sp = sequence_params<scalar_t, acc_t>(p, b);  // p itself without a KV cache
       for (int64_t r = 0; r < R; ++r) {  // row r = g L + i: query row i of head hk G + g, scaled
         const scalar_t* src = q + b * p.q_stride.b + (hk * G + r / L) * p.q_stride.h + (r % L) * p.q_stride.row;
@@ -188,9 +213,9 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)  // the unscaled bits, for cpu::dot_rows_bf16
           for (int64_t e = 0; e < E; ++e) q_bits[r * E + e] = src[e * p.q_stride.col].x;
       }
-      acc_t* o = direct ? own_o.data() : part_o.data() + w * R * Ev;
-      acc_t* m = direct ? own_m.data() : part_m.data() + w * R;
-      acc_t* l = direct ? own_l.data() : part_l.data() + w * R;
+      acc_t* o = direct ? own_o.data() : part_o.data() + slot * R * Ev;
+      acc_t* m = direct ? own_m.data() : part_m.data() + slot * R;
+      acc_t* l = direct ? own_l.data() : part_l.data() + slot * R;
       std::fill(o, o + R * Ev, acc_t(0));
       std::fill(m, m + R, kNegInf);
       std::fill(l, l + R, acc_t(0));
