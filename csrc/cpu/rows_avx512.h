@@ -70,6 +70,13 @@ int64_t dot_rows_lanes(const float* q, int64_t R, int64_t E, const float* k, int
 // O (R x Ev, row stride ldo) += P (R x n, row stride ldp) V (n rows, row stride ldv).
 int64_t acc_rows_lanes(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v, int64_t ldv, int64_t Ev,
                        float* o, int64_t ldo);
+// The same for bfloat16 rows on AVX512-BF16 (kind 3 of rows_cpu.cpp): Q and K
+// as bit patterns (dot_rows_lanes_bf16 takes none where E is odd), V with P
+// rounded to bfloat16.
+int64_t dot_rows_lanes_bf16(const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n,
+                            float* s, int64_t lds);
+int64_t acc_rows_lanes_bf16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv,
+                            int64_t Ev, float* o, int64_t ldo);
 
 }  // namespace rows
 }  // namespace cpu

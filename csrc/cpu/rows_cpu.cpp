@@ -189,9 +189,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
                                                                         const typename ScoreKind<kKind>::K* k,
                                                                         int64_t ldk, int64_t n, float* s, int64_t lds) {
   const bool adjacent = ldk == E;
-  // float32, groups of 16 rows: one a lane (rows_lanes_cpu.cpp)
+  // float32, and bfloat16 on AVX512-BF16, groups of 16 rows: one a lane (rows_lanes_cpu.cpp)
   int64_t r_t = 0;
   if constexpr (kKind == 0) r_t = rows::dot_rows_lanes(q, R, E, k, ldk, n, s, lds);
+  if constexpr (kKind == 3) r_t = rows::dot_rows_lanes_bf16(q, R, E, k, ldk, n, s, lds);
   if (r_t >= R) return;
   q += r_t * E, R -= r_t, s += r_t * lds;
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
@@ -410,6 +411,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
                                                                          int64_t Ev, float* o, int64_t ldo) {
   if constexpr (kKind == 0) {  // float32, groups of 16 rows: one a lane (rows_lanes_cpu.cpp)
     const int64_t r_t = rows::acc_rows_lanes(p, R, n, ldp, static_cast<const float*>(v), ldv, Ev, o, ldo);
+    if (r_t >= R) return;
+    p += r_t * ldp, o += r_t * ldo, R -= r_t;
+  }
+  if constexpr (kKind == 3) {  // bfloat16 on AVX512-BF16, groups of 16 rows: one a lane
+    const int64_t r_t = rows::acc_rows_lanes_bf16(p, R, n, ldp, static_cast<const uint16_t*>(v), ldv, Ev, o, ldo);
     if (r_t >= R) return;
     p += r_t * ldp, o += r_t * ldo, R -= r_t;
   }

@@ -1,5 +1,6 @@
 // Float32 decode rows of a 16-row group (R = G L = 16: four query rows of
-// a 4-head GQA group, say), one query row a vector lane, for the decode
+// a 4-head GQA group, say), one query row a vector lane (bfloat16 rows on
+// AVX512-BF16 likewise, by pairs of columns or keys), for the decode
 // kernel (forward_cpu.cpp through rows_cpu.cpp). With a row a lane every
 // lane of every multiply-add is a product that counts: no horizontal sums
 // (score_block spends 30 shuffles on each 16 sums) and no value row read by
@@ -9,6 +10,7 @@
 
 #if MHA_X86
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace mha_ext {
@@ -69,48 +71,71 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void lanes_to_rows(const fl
   }
 }
 
-// The scores of 16 float32 query rows, one a lane, with the keys of a block:
-// qt holds Q transposed (column e of the 16 rows at qt + 16 e), 8 of its
-// vectors in registers at a time, each key column broadcast into one
-// multiply-add per vector. Every lane is a product that counts, no
-// horizontal sums are needed (score_block spends 30 shuffles on each 16
-// sums), and the block's key rows are read once, not once per 4 rows; the
-// 16 sums of each key are turned into rows at the end (transpose16). Keys
-// past nc repeat the last real one (read, never stored). The next block's
-// rows (nb bytes from `ahead`, adjacent) are fetched into L2 over the steps.
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block_t(const float* qt, int64_t E, const float* k,
+// acc += the pairs of a times the 32-bit pair at `pair` in every lane:
+// vdpbf16ps with its broadcast from memory, written out (one instruction
+// where the intrinsic takes a vpbroadcastd more; no AVX512-BF16 target
+// needed by the callers, which run it only where the CPU has it)
+__attribute__((always_inline)) inline __m512 dp_bcast(__m512 acc, __m512 a, const void* pair) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*static_cast<const uint32_t*>(pair)));
+  return acc;
+}
+
+// One step of the scores for one key row: float32, column e's product
+// (a multiply-add of the broadcast key element); bfloat16 (bits) on
+// AVX512-BF16, column pair e's two products summed in float (vdpbf16ps).
+template <typename K>
+__attribute__((target("avx512f"), always_inline)) inline __m512 lane_step(__m512 acc, __m512 qv, const K* krow,
+                                                                         int64_t e) {
+  if constexpr (std::is_same_v<K, float>)
+    return _mm512_fmadd_ps(qv, _mm512_set1_ps(krow[e]), acc);
+  else
+    return dp_bcast(acc, qv, krow + 2 * e);
+}
+
+// The scores of 16 query rows, one a lane, with the keys of a block: qt
+// holds Q transposed (step e of the 16 rows at qt + 16 e: column e in
+// float32, the pair of columns 2 e, 2 e + 1 as one 32-bit word in
+// bfloat16), 8 of its vectors in registers at a time, each key step
+// broadcast into one instruction per vector (lane_step). Every lane is a
+// product that counts, no horizontal sums are needed (score_block spends 30
+// shuffles on each 16 sums), and the block's key rows are read once, not
+// once per 4 rows; the 16 sums of each key are turned into rows at the end
+// (transpose16). Keys past nc repeat the last real one (read, never
+// stored). The next block's rows (nb bytes from `ahead`, adjacent) are
+// fetched into L2 over the steps.
+template <typename K>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block_t(const float* qt, int64_t steps, const K* k,
                                                                       int64_t ldk, int64_t nc, float* s, int64_t lds,
                                                                       const char* ahead, int64_t nb) {
-  const float* kr[16];
+  const K* kr[16];
 #pragma GCC unroll 16
   for (int j = 0; j < 16; ++j) kr[j] = k + std::min<int64_t>(j, nc - 1) * ldk;
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-  const int64_t chunks = (E + 7) / 8;
+  const int64_t chunks = (steps + 7) / 8;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t e0 = 8 * c;
     for (int64_t b = (nb * c / chunks) & ~int64_t(63), b_end = nb * (c + 1) / chunks; b < b_end; b += 64)
       _mm_prefetch(ahead + b, _MM_HINT_T1);  // this step's share of the next block
-    if (e0 + 8 <= E) {
+    if (e0 + 8 <= steps) {
       __m512 qv[8];
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) qv[i] = _mm512_loadu_ps(qt + 16 * (e0 + i));
-      // keys in pairs (two chains of multiply-adds at a time)
+      // keys in pairs (two chains of products at a time)
 #pragma GCC unroll 8
       for (int jp = 0; jp < 16; jp += 2) {
-        const float *k0 = kr[jp] + e0, *k1 = kr[jp + 1] + e0;
 #pragma GCC unroll 8
         for (int i = 0; i < 8; ++i) {
-          acc[jp] = _mm512_fmadd_ps(qv[i], _mm512_set1_ps(k0[i]), acc[jp]);
-          acc[jp + 1] = _mm512_fmadd_ps(qv[i], _mm512_set1_ps(k1[i]), acc[jp + 1]);
+          acc[jp] = lane_step(acc[jp], qv[i], kr[jp], e0 + i);
+          acc[jp + 1] = lane_step(acc[jp + 1], qv[i], kr[jp + 1], e0 + i);
         }
       }
-    } else {  // the last columns, one at a time
-      for (int64_t e = e0; e < E; ++e) {
+    } else {  // the last steps, one at a time
+      for (int64_t e = e0; e < steps; ++e) {
         const __m512 qv = _mm512_loadu_ps(qt + 16 * e);
 #pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kr[j][e]), acc[j]);
+        for (int j = 0; j < 16; ++j) acc[j] = lane_step(acc[j], qv, kr[j], e);
       }
     }
   }
@@ -118,6 +143,54 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block_t(const fl
   const __mmask16 kc = lanes(nc);
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) _mm512_mask_storeu_ps(s + r * lds, kc, acc[r]);
+}
+
+// The next block's (or value chunk's) `ahead` rows (row_bytes each, `stride` bytes
+// apart from `next`) into L2: rows that are not adjacent all at once
+// (fetch_rows_l2, returns 0); adjacent ones spread over the steps or passes
+// (returns their bytes, for PassFetch): a burst at each pass stalls once
+// the core's outstanding misses are all in use (4-5% slower).
+inline int64_t fetch_next_chunk(const char* next, int64_t stride, int64_t ahead, int64_t row_bytes) {
+  if (stride == row_bytes) return ahead * row_bytes;
+  fetch_rows_l2(next, stride, ahead, row_bytes);
+  return 0;
+}
+
+// Pass `pass` of `passes`' share of the nb bytes from `next`, a few lines
+// at each of its `steps` loop steps (operator()).
+struct PassFetch {
+  const char* next;
+  int64_t pf, end, per;
+  PassFetch(const char* next_, int64_t nb, int64_t pass, int64_t passes, int64_t steps)
+      : next(next_), pf((nb * pass / passes) & ~int64_t(63)), end(nb * (pass + 1) / passes),
+        per((end - pf + 64 * steps - 1) / (64 * steps)) {}
+  void operator()() {
+    for (int64_t x = 0; x < per && pf < end; ++x, pf += 64) _mm_prefetch(next + pf, _MM_HINT_T1);
+  }
+};
+
+// S (R x n) = Q K^T for the groups of 16 rows (dot_rows_lanes, dot_rows_lanes_bf16)
+template <typename K>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) int64_t dot_rows_t(const K* q, int64_t R, int64_t E,
+                                                                      const K* k, int64_t ldk, int64_t n, float* s,
+                                                                      int64_t lds) {
+  constexpr int64_t kPer = sizeof(float) / sizeof(K);  // columns a step
+  static thread_local std::vector<float> qt;  // (E / kPer x 16): Q's 16 rows as lanes
+  const int64_t steps = E / kPer, row_bytes = E * static_cast<int64_t>(sizeof(K));
+  int64_t r0 = 0;
+  for (; R - r0 >= 16; r0 += 16) {
+    qt.resize(16 * steps);
+    // (bfloat16 pairs as 32-bit words moved as they are: the transposes only shuffle bits)
+    rows_to_lanes(reinterpret_cast<const float*>(q + r0 * E), steps, steps, qt.data());
+    for (int64_t c0 = 0; c0 < n; c0 += 16) {
+      const int64_t ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16);  // rows of the next block
+      const char* next = reinterpret_cast<const char*>(k + (c0 + 16) * ldk);
+      const int64_t nb = fetch_next_chunk(next, ldk * static_cast<int64_t>(sizeof(K)), ahead, row_bytes);
+      score_block_t(qt.data(), steps, k + c0 * ldk, ldk, std::min<int64_t>(16, n - c0), s + r0 * lds + c0, lds, next,
+                    nb);
+    }
+  }
+  return r0;
 }
 
 // O (16 x Ev) += P (16 x n) V (n x Ev) for float32 value rows with one query
@@ -128,9 +201,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block_t(const fl
 // 16 at a time, so a chunk's rows are read 8 times, the first time from
 // memory), and each 64-byte line of a value row is read by one pass only.
 // The next chunk's rows are fetched into L2, a line or a few per key over the
-// passes (a burst at each pass stalls once the core's outstanding misses
-// are all in use: 4-5% slower), or all at once before them where the rows are
-// not adjacent (fetch_rows_l2).
+// passes (fetch_next_chunk, PassFetch).
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_rows_t(const float* p, int64_t ldp, int64_t n,
                                                                      const float* v, int64_t ldv, int64_t Ev, float* o,
                                                                      int64_t ldo) {
@@ -139,21 +210,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_rows_t(const flo
   ot.resize(16 * Ev);
   rows_to_lanes(p, ldp, n, pt.data());
   rows_to_lanes(o, ldo, Ev, ot.data());
-  const bool adjacent = ldv == Ev;
   const int64_t passes = (Ev + 15) / 16;
   for (int64_t j0 = 0; j0 < n; j0 += kValueKeys) {
     const int64_t nj = std::min(kValueKeys, n - j0);
     const int64_t ahead = std::clamp<int64_t>(n - j0 - kValueKeys, 0, kValueKeys);  // rows of the next chunk
     const char* next = reinterpret_cast<const char*>(v + (j0 + kValueKeys) * ldv);
-    const int64_t nb = adjacent ? ahead * Ev * 4 : 0;
-    if (!adjacent) fetch_rows_l2(next, ldv * 4, ahead, Ev * 4);
+    const int64_t nb = fetch_next_chunk(next, ldv * 4, ahead, Ev * 4);
     for (int64_t c0 = 0, pass = 0; c0 < Ev; c0 += 16, ++pass) {
-      // this pass's share of the next chunk, a line or a few a key
-      int64_t pf = (nb * pass / passes) & ~int64_t(63);
-      const int64_t pf_end = nb * (pass + 1) / passes, per = (pf_end - pf + 64 * nj - 1) / (64 * nj);
-      const auto fetch = [&]() {
-        for (int64_t x = 0; x < per && pf < pf_end; ++x, pf += 64) _mm_prefetch(next + pf, _MM_HINT_T1);
-      };
+      PassFetch fetch(next, nb, pass, passes, nj);  // a line or a few a key
       const int64_t cols = std::min<int64_t>(16, Ev - c0);
       int64_t ci[16];  // columns past cols repeat the last real one (summed, never stored)
       for (int c = 0; c < 16; ++c) ci[c] = c0 + std::min<int64_t>(c, cols - 1);
@@ -185,33 +249,82 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_rows_t(const flo
   lanes_to_rows(ot.data(), Ev, o, ldo);
 }
 
-}  // namespace
-
-__attribute__((target("avx512f,avx512bw,avx512vl"))) int64_t dot_rows_lanes(const float* q, int64_t R, int64_t E,
-                                                                          const float* k, int64_t ldk, int64_t n,
-                                                                          float* s, int64_t lds) {
-  static thread_local std::vector<float> qt;  // (E x 16): Q's 16 rows as lanes
-  const bool adjacent = ldk == E;
-  const int64_t row_bytes = E * static_cast<int64_t>(sizeof(*k));
-  int64_t r0 = 0;
-  for (; R - r0 >= 16; r0 += 16) {
-    qt.resize(16 * E);
-    rows_to_lanes(q + r0 * E, E, E, qt.data());
-    for (int64_t c0 = 0; c0 < n; c0 += 16) {
-      const int64_t ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16);  // rows of the next block
-      const char* next = reinterpret_cast<const char*>(k + (c0 + 16) * ldk);
-      if (!adjacent) fetch_rows_l2(next, ldk * static_cast<int64_t>(sizeof(*k)), ahead, row_bytes);
-      score_block_t(qt.data(), E, k + c0 * ldk, ldk, std::min<int64_t>(16, n - c0), s + r0 * lds + c0, lds, next,
-                    adjacent ? ahead * row_bytes : 0);
+// O (16 x Ev) += P (16 x n) V (n x Ev) for bfloat16 value rows on
+// AVX512-BF16, two keys an instruction: P rounded to bfloat16 (as
+// value_block_dp in rows_cpu.cpp rounds it) and kept by rows, so that
+// (P[r][j], P[r][j + 1]) is one 32-bit word to broadcast; the pass's 16
+// columns of value rows j and j + 1 widened into the pairs
+// (V[j][c], V[j + 1][c]) once, for the 16 rows' sums in 16 registers, one
+// register a row (here a lane is a column: the value pairs come from
+// memory as vectors, the P pairs as broadcasts, and O stays by rows). Each
+// value row is read by one pass a 16 columns; the next chunk is fetched into
+// L2 as in value_rows_t. A last odd key pairs with a zero row, never read.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_rows_bf16(
+    const float* p, int64_t ldp, int64_t n, const uint16_t* v, int64_t ldv, int64_t Ev, float* o, int64_t ldo) {
+  const int64_t np = (n + 1) / 2;  // key pairs
+  static thread_local std::vector<uint32_t> pw;  // (16 x np): P's rows in bfloat16 pairs
+  pw.resize(16 * np);
+  uint32_t* const pwr = pw.data();
+  for (int r = 0; r < 16; ++r)
+    for (int64_t j0 = 0; j0 < n; j0 += 32) {
+      const __m512 lo = _mm512_maskz_loadu_ps(lanes(n - j0), p + r * ldp + j0);
+      const __m512 hi = _mm512_maskz_loadu_ps(lanes(n - j0 - 16), p + r * ldp + j0 + 16);
+      _mm512_mask_storeu_epi32(pwr + r * np + j0 / 2, lanes(np - j0 / 2),
+                               reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+  const int64_t passes = (Ev + 15) / 16;
+  for (int64_t j0 = 0; j0 < n; j0 += kValueKeys) {
+    const int64_t nj = std::min(kValueKeys, n - j0);
+    const int64_t ahead = std::clamp<int64_t>(n - j0 - kValueKeys, 0, kValueKeys);  // rows of the next chunk
+    const char* next = reinterpret_cast<const char*>(v + (j0 + kValueKeys) * ldv);
+    const int64_t nb = fetch_next_chunk(next, ldv * 2, ahead, Ev * 2);
+    for (int64_t c0 = 0, pass = 0; c0 < Ev; c0 += 16, ++pass) {
+      PassFetch fetch(next, nb, pass, passes, (nj + 1) / 2);  // over its key pairs
+      const __mmask16 mc = lanes(Ev - c0);
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_maskz_loadu_ps(mc, o + r * ldo + c0);
+      const uint32_t* pj = pwr + j0 / 2;
+      for (int64_t j = 0; j < nj; j += 2, ++pj) {
+        fetch();
+        const uint16_t* va = v + (j0 + j) * ldv + c0;
+        const __m512i a = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mc, va));
+        const __m512i b =
+            j + 1 < nj ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mc, va + ldv)) : _mm512_setzero_si512();
+        const __m512 w = _mm512_castsi512_ps(_mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; ++r)
+          acc[r] = dp_bcast(acc[r], w, pj + r * np);
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) _mm512_mask_storeu_ps(o + r * ldo + c0, mc, acc[r]);
     }
   }
-  return r0;
+}
+
+}  // namespace
+
+int64_t dot_rows_lanes(const float* q, int64_t R, int64_t E, const float* k, int64_t ldk, int64_t n, float* s,
+                       int64_t lds) {
+  return dot_rows_t(q, R, E, k, ldk, n, s, lds);
 }
 
 int64_t acc_rows_lanes(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v, int64_t ldv, int64_t Ev,
                        float* o, int64_t ldo) {
   int64_t r0 = 0;
   for (; R - r0 >= 16; r0 += 16) value_rows_t(p + r0 * ldp, ldp, n, v, ldv, Ev, o + r0 * ldo, ldo);
+  return r0;
+}
+
+int64_t dot_rows_lanes_bf16(const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n,
+                            float* s, int64_t lds) {
+  return E % 2 == 0 ? dot_rows_t(q, R, E, k, ldk, n, s, lds) : 0;  // whole column pairs only
+}
+
+int64_t acc_rows_lanes_bf16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv,
+                            int64_t Ev, float* o, int64_t ldo) {
+  int64_t r0 = 0;
+  for (; R - r0 >= 16; r0 += 16) value_rows_bf16(p + r0 * ldp, ldp, n, v, ldv, Ev, o + r0 * ldo, ldo);
   return r0;
 }
 
