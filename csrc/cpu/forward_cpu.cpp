@@ -90,7 +90,8 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   // K/V), each split is one tile and the items go split-major: the heads of a
   // tile run one after the other, over the same pages (1.05-1.30x). Not for
   // bfloat16 / float16 with more than 8 rows a head, bound by arithmetic
-  // there, where the one-tile splits cost 5-15% (the README, "KV-cache rows").
+  // there, where the one-tile splits cost 5-15% (the README, "Decoding on a
+  // newer CPU").
   const int64_t kv_bytes =
       heads * std::max<int64_t>(kv_end - kv_begin, 0) * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t));
   const bool heads_in_rows = Hkv > 1 && p.k_stride.h < p.k_stride.row && p.v_stride.h < p.v_stride.row &&

@@ -53,8 +53,8 @@ inline void fetch_rows_l2(const void* first, int64_t stride, int64_t rows, int64
 // bfloat16 decode put half the score routine's time on one load a block);
 // fetched a page ahead, a one-row a head decode (12 x 64 heads, S = 32k) read
 // bfloat16 K/V 1.7x and float32 1.3x faster (AMD EPYC family 26, the README,
-// "Decoding"). Into L1 did better than into L2, 2-16 KiB ahead within noise
-// of each other.
+// "Decoding on a newer CPU"). Into L1 did better than into L2, 2-16 KiB ahead
+// within noise of each other.
 constexpr int64_t kFetchAhead = 4096;
 inline void fetch_page_ahead(const void* block, int64_t bytes) {
   const char* c = static_cast<const char*>(block) + kFetchAhead;

@@ -2,8 +2,9 @@
 // query rows as dot products with each key row, and P V, each key and value
 // row read whole and in address order (bfloat16 / float16 rows widened in
 // registers); bfloat16 / float16 rows widened to float; on the run-time
-// instruction-set choice of gemm_cpu.h. Groups of 16 float32 rows go to
-// rows_lanes_cpu.cpp (one row a vector lane).
+// instruction-set choice of gemm_cpu.h. Groups of 16 float32 rows, and of
+// 16 bfloat16 rows on AVX512-BF16, go to rows_lanes_cpu.cpp (one row a
+// vector lane).
 #include "gemm_cpu.h"
 
 #include <c10/util/BFloat16.h>
