@@ -32,8 +32,11 @@ constexpr int64_t kValueKeys = 32;
 // "Decoding"; into L1, all at once before the pass, or with two passes it
 // did worse, two blocks ahead no better). Rows that are not adjacent in
 // memory (a (B, S, H, D) KV cache: a row every H D elements), which the
-// hardware prefetcher does not follow, are fetched all at once before a
-// block's first pass instead (fetch_rows_l2).
+// hardware prefetcher does not follow, are fetched by the block's first
+// pass where it is a pass of several rows (a row a key: 1.03-1.14x against
+// all at once, K/V read from memory, 2 to 8 rows a key/value head; one row
+// a head, 12 x 64 heads, fetched so: 0.72x), else all at once before it
+// (fetch_rows_l2).
 __attribute__((always_inline)) inline void fetch_row_l2(const void* row, int64_t bytes) {
   const char* c = static_cast<const char*>(row);
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);

@@ -199,15 +199,18 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
     const int64_t nc = std::min<int64_t>(16, n - c0);
     int64_t ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16);  // rows of the next block
-    if (!adjacent)
+    // rows not adjacent in memory: the first pass fetches them a row a key
+    // where it is a pass of four rows, else all at once here
+    const bool spread = !adjacent && R >= 4;
+    if (adjacent)
+      fetch_page_ahead(k + c0 * ldk, nc * E * static_cast<int64_t>(sizeof(*k)));
+    else if (!spread)
       fetch_rows_l2(k + (c0 + 16) * ldk, ldk * static_cast<int64_t>(sizeof(*k)), std::exchange(ahead, 0),
                     E * static_cast<int64_t>(sizeof(*k)));
-    else
-      fetch_page_ahead(k + c0 * ldk, nc * E * static_cast<int64_t>(sizeof(*k)));
     for (int64_t r0 = 0; r0 < R;) {
       const int64_t rr = R - r0, rb = rr >= 4 ? 4 : rr >= 2 ? 2 : 1;
-      // the second of 3 or more passes (of 4 rows: R > 8) fetches
-      const int64_t na = r0 > 0 && rr > rb && rb == 4 ? std::exchange(ahead, 0) : 0;
+      // (adjacent rows: the second of 3 or more passes, of 4 rows, fetches)
+      const int64_t na = (spread ? r0 == 0 : r0 > 0 && rr > rb && rb == 4) ? std::exchange(ahead, 0) : 0;
       const auto* qr = q + r0 * E;
       const auto* kc = k + c0 * ldk;
       float* sc = s + r0 * lds + c0;
@@ -428,16 +431,22 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
       const int64_t cols = std::min<int64_t>(256, Ev - c0);
       const char* vc = vb + j0 * ldv_bytes + c0 * elem;
       int64_t ahead = std::clamp<int64_t>(n - j0 - kValueKeys, 0, kValueKeys);  // rows of the next chunk
-      if (ldv != Ev)  // rows not adjacent in memory
+      // rows not adjacent in memory: the first pass fetches them a row a key
+      // where it is a pass of 4 or 2 rows, else all at once here
+      const int64_t rb0 = R == 1 ? 1 : cols <= 32 ? 8 : cols <= 64 ? 4 : cols <= 128 ? 2 : 1;
+      const bool spread = ldv != Ev && (rb0 == 4 || rb0 == 2);
+      if (ldv == Ev) {
+        if (c0 == 0) fetch_page_ahead(vc, nj * ldv_bytes);
+      } else if (!spread) {
         fetch_rows_l2(vc + kValueKeys * ldv_bytes, ldv_bytes, std::exchange(ahead, 0), cols * elem);
-      else if (c0 == 0)
-        fetch_page_ahead(vc, nj * ldv_bytes);
+      }
       for (int64_t r0 = 0; r0 < R;) {
         const float* pr = p + r0 * ldp + j0;
         float* orow = o + r0 * ldo + c0;
         const int64_t rr = R - r0, rb = rr == 1 ? 1 : cols <= 32 ? 8 : cols <= 64 ? 4 : cols <= 128 ? 2 : 1;
-        // the second of 3 or more passes (of 4 or 2 rows: value rows of up to 128 columns) fetches
-        const int64_t na = r0 > 0 && rr > rb && (rb == 4 || rb == 2) ? std::exchange(ahead, 0) : 0;
+        // (adjacent rows: the second of 3 or more passes, of 4 or 2 rows, fetches)
+        const int64_t na =
+            (spread ? r0 == 0 : r0 > 0 && rr > rb && (rb == 4 || rb == 2)) ? std::exchange(ahead, 0) : 0;
         if (rr == 1 && cols <= 128) {  // one row: no work on copies of it
           if (cols <= 32)
             value_rows<kKind, 1, 1>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, 0);
