@@ -28,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import mha_ext  # noqa: E402
 from bench_attention import cpu_name, median_times, write_report  # noqa: E402
+import bench_decode  # noqa: E402  (its interleaved streaming read)
 
 
 def loops(B, hq, hkv, D, prompt, steps, dtype):
@@ -88,13 +89,18 @@ def ragged_rows(reps):
             seqlens = torch.tensor(lens, dtype=torch.int32)
             keep = (torch.arange(S) < seqlens[:, None])[:, None, None, :]  # (B, 1, 1, S)
             qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+            # the same caches stored head-major, (B, H, S, D) in memory, passed as (B, S, H, D) views
+            kh, vh = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (kc, vc))
             fns = [lambda: mha_ext.kvcache_attention(q, kc, vc, seqlens),
-                   lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=keep, enable_gqa=hq != hkv)]
-            ta, tb = median_times(fns, reps)
+                   lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=keep, enable_gqa=hq != hkv),
+                   lambda: mha_ext.kvcache_attention(q, kh, vh, seqlens), bench_decode.stream_read]
+            ta, tb, th, ts = median_times(fns, reps)
             kv = 2 * sum(lens) * hkv * D * kc.element_size()
+            sb = bench_decode.STREAM.numel() * 4 / ts / 1e9
             shown = ", ".join(str(n) for n in lens[:3]) + (", .." if B > 3 else "")
             rows.append(f"| {str(dtype).replace('torch.', '')} | {B}, {hq}, {hkv}, {D} | {shown} | {ta * 1e3:.3f} | "
-                        f"{tb * 1e3:.3f} | {tb / ta:.2f} | {kv / ta / 1e9:.1f} |")
+                        f"{tb * 1e3:.3f} | {tb / ta:.2f} | {kv / ta / 1e9:.1f} | {kv / th / 1e9:.1f} | {sb:.1f} | "
+                        f"{100 * kv / ta / 1e9 / sb:.0f}% | {100 * kv / th / 1e9 / sb:.0f}% |")
             print(rows[-1], flush=True)
     return rows
 
@@ -130,9 +136,13 @@ def main():
                          f"{med[3] / med[0]:.2f} |")
     lines += ["", "One step against caches of different lengths (a query row a head): mha_ext.kvcache_attention "
               "against F.scaled_dot_product_attention on the padded cache with a boolean key mask; medians of "
-              f"{3 * args.reps} interleaved calls; K/V GB/s counts the keys each batch holds.", "",
+              f"{3 * args.reps} interleaved calls; K/V GB/s counts the keys each batch holds; beside them, the "
+              "same op on the same caches stored head-major ((B, H, S, D) in memory, passed as (B, S, H, D) "
+              "views) and a streaming read (a sum over 512 MiB of float32) run between them in each rep, "
+              "with both layouts' K/V rate as a share of it.", "",
               "| dtype | B, Hq, Hkv, D | cache lengths | mha_ext ms | torch SDPA + mask ms | torch / mha_ext | "
-              "mha_ext K/V GB/s |", "|---|---|---|---|---|---|---|"]
+              "mha_ext K/V GB/s | head-major cache K/V GB/s | stream GB/s | % of stream | head-major % of stream |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += ragged_rows(3 * args.reps)
     write_report("kvcache.md", lines)
 

@@ -208,6 +208,20 @@ def test_generation_loop_matches_a_concatenating_cache():
         torch.testing.assert_close(out, ref.transpose(1, 2), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kvcache_head_major_cache_views(dtype):
+    # caches stored (B, H, S, D) and passed as (B, S, H, D) views (the layout bench_kvcache.py
+    # compares): each head's rows adjacent, the new rows written through the views
+    q, kc, vc, sl, kn, vn = _make(L=1, hq=8, hkv=2, E=64, Ev=64, S_max=700, seqlens=(690, 3, 300), dtype=dtype)
+    kh, vh = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (kc, vc))
+    assert kh.stride(2) > kh.stride(1) == 64
+    out, lse = _run(q, kh, vh, sl, kn, vn, is_causal=True)
+    _check_against_reference(out, lse, (q, kc, vc, sl, kn, vn), {"is_causal": True})
+    for b in range(3):
+        n = int(sl[b])
+        assert torch.equal(kh[b, n], kn[b, 0]) and torch.equal(vh[b, n], vn[b, 0])
+
+
 def test_kvcache_strided_query_and_cache_views():
     q, kc, vc, sl, kn, vn = _make(L=3)
     big = torch.zeros(3, 300, 2, 40)  # the caches as views into one buffer (K and V side by side)
