@@ -196,12 +196,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
   if constexpr (kKind == 3) r_t = rows::dot_rows_lanes_bf16(q, R, E, k, ldk, n, s, lds);
   if (r_t >= R) return;
   q += r_t * E, R -= r_t, s += r_t * lds;
+  // rows not adjacent in memory: each block's first pass fetches the next
+  // block's rows a row a key where it is a pass of four rows, else all at
+  // once before it
+  const bool spread = !adjacent && R >= 4;
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
     const int64_t nc = std::min<int64_t>(16, n - c0);
     int64_t ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16);  // rows of the next block
-    // rows not adjacent in memory: the first pass fetches them a row a key
-    // where it is a pass of four rows, else all at once here
-    const bool spread = !adjacent && R >= 4;
     if (adjacent)
       fetch_page_ahead(k + c0 * ldk, nc * E * static_cast<int64_t>(sizeof(*k)));
     else if (!spread)
@@ -425,6 +426,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
   }
   const int64_t elem = kKind == 0 ? 4 : 2, ldv_bytes = ldv * elem;
   const char* vb = static_cast<const char*>(v);
+  // rows a pass takes, of rr left, over `cols` columns
+  auto pass_rows = [](int64_t rr, int64_t cols) -> int64_t {
+    return rr == 1 ? 1 : cols <= 32 ? 8 : cols <= 64 ? 4 : cols <= 128 ? 2 : 1;
+  };
   for (int64_t j0 = 0; j0 < n; j0 += kValueKeys) {
     const int64_t nj = std::min(kValueKeys, n - j0);
     for (int64_t c0 = 0; c0 < Ev; c0 += 256) {
@@ -433,7 +438,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
       int64_t ahead = std::clamp<int64_t>(n - j0 - kValueKeys, 0, kValueKeys);  // rows of the next chunk
       // rows not adjacent in memory: the first pass fetches them a row a key
       // where it is a pass of 4 or 2 rows, else all at once here
-      const int64_t rb0 = R == 1 ? 1 : cols <= 32 ? 8 : cols <= 64 ? 4 : cols <= 128 ? 2 : 1;
+      const int64_t rb0 = pass_rows(R, cols);
       const bool spread = ldv != Ev && (rb0 == 4 || rb0 == 2);
       if (ldv == Ev) {
         if (c0 == 0) fetch_page_ahead(vc, nj * ldv_bytes);
@@ -443,7 +448,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
       for (int64_t r0 = 0; r0 < R;) {
         const float* pr = p + r0 * ldp + j0;
         float* orow = o + r0 * ldo + c0;
-        const int64_t rr = R - r0, rb = rr == 1 ? 1 : cols <= 32 ? 8 : cols <= 64 ? 4 : cols <= 128 ? 2 : 1;
+        const int64_t rr = R - r0, rb = pass_rows(rr, cols);
         // (adjacent rows: the second of 3 or more passes, of 4 or 2 rows, fetches)
         const int64_t na =
             (spread ? r0 == 0 : r0 > 0 && rr > rb && (rb == 4 || rb == 2)) ? std::exchange(ahead, 0) : 0;
