@@ -49,7 +49,12 @@ print(f"mha_ext: building {'CPU + CUDA' if with_cuda else 'CPU only'} ({why})", 
 
 # -fopenmp: at::parallel_for is inline and only parallel when compiled with
 # OpenMP (torch's own libgomp.so.1, already loaded by torch, serves it).
-cxx_flags = ["-O3", "-fopenmp", "-fvisibility=hidden", "-Wall"]
+# One C++ standard for every translation unit, named here rather than left to
+# torch: torch 2.14 adds -std=c++20 to g++, older ones -std=c++17, while nvcc
+# gets -std=c++20 below. Headers compiled under two standards into one library
+# may disagree on inline code and layouts (a build against torch 2.11 crashed
+# where a C++ check threw).
+cxx_flags = ["-O3", "-fopenmp", "-fvisibility=hidden", "-Wall", "-std=c++20"]
 link_flags = ["-fopenmp"]
 if with_cuda:
     # SASS for sm_80 and sm_90, and sm_90 PTX that newer GPUs can compile

@@ -174,7 +174,7 @@ def decode(device, dtypes, lengths, reps, times):
                         fns.append(step(lambda *a, **kw: F.scaled_dot_product_attention(*a, **kw, enable_gqa=gqa),
                                         q, k, v, None, False, False,
                                         lambda n=name: torch_backend(n if device.type == "cuda" else None)))
-                    t = times(fns, reps)
+                    t = times_or_nan(times, fns, reps)
                     kv = 2 * k.numel() * k.element_size()
                     row = [str(dt).replace("torch.", ""), B, f"{hq}, {hkv}, {E}", S] + [f"{x * 1e3:.3f}" for x in t]
                     row += [f"{kv / t[0] / 1e9:.0f}", f"{t[2] / t[0]:.2f}", f"{t[1] / t[0]:.2f}"]
@@ -183,6 +183,20 @@ def decode(device, dtypes, lengths, reps, times):
     head = ["dtype", "B", "Hq, Hkv, D", "S", "ms mha_ext (splits auto)", "ms mha_ext (splits 1)", "ms flash",
             "ms efficient", "mha_ext K/V GB/s", "flash / mha_ext", "splits 1 / auto"]
     return f"Copy bandwidth (read + write of {n >> 20} MiB): {copy_gbs:.0f} GB/s.\n\n" + table(head, rows)
+
+
+def times_or_nan(times, fns, reps):
+    """times of fns, NaN for one that raises (a torch backend that does not
+    take the case, such as flash with GQA in some torch versions)."""
+    ok = []
+    for fn in fns:
+        try:
+            fn()
+            ok.append(fn)
+        except RuntimeError as e:
+            print(f"skipped: {str(e).splitlines()[0]}", flush=True)
+    t = iter(times(ok, reps))
+    return [next(t) if fn in ok else float("nan") for fn in fns]
 
 
 @contextlib.contextmanager
@@ -200,6 +214,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="run on the CPU with tiny sizes (checks the script)")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--only", choices=["torch", "switches", "decode"], help="one table alone")
     ap.add_argument("--gflop", type=float, default=200.0, help="forward work per case, picks the batch")
     args = ap.parse_args()
     if args.dry_run:
@@ -216,12 +231,17 @@ def main():
     lines = [f"# CUDA: mha_ext against torch's SDPA, {datetime.date.today()}", "",
              f"{name}, torch {torch.__version__}; `python bench/bench_cuda.py {' '.join(sys.argv[1:])}`; medians of "
              f"{reps} interleaved runs, each synchronised.", "",
-             "## mha_ext against torch's flash and memory-efficient backends", "",
-             against_torch(device, dtypes, [64, 128], lengths, reps, gflop, times), "",
-             "## The CUDA backend's run-time switches (causal)", "",
-             switches(device, lengths[-2:] if not args.dry_run else lengths, reps, gflop, times), "",
-             "## Decoding: one query row, key splits on and off", "",
-             decode(device, dtypes, [64, 300] if args.dry_run else [2048, 8192, 32768], reps, times), ""]
+             ]
+    want = lambda name: args.only in (None, name)  # noqa: E731
+    if want("torch"):
+        lines += ["## mha_ext against torch's flash and memory-efficient backends", "",
+                  against_torch(device, dtypes, [64, 128], lengths, reps, gflop, times), ""]
+    if want("switches"):
+        lines += ["## The CUDA backend's run-time switches (causal)", "",
+                  switches(device, lengths[-2:] if not args.dry_run else lengths, reps, gflop, times), ""]
+    if want("decode"):
+        lines += ["## Decoding: one query row, key splits on and off", "",
+                  decode(device, dtypes, [64, 300] if args.dry_run else [2048, 8192, 32768], reps, times), ""]
     write_report("cuda.md", lines)
 
 

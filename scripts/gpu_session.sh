@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# What a session with a lent GPU runs, in one command on that machine (its own
+# python3 and torch; nothing can be installed there): build mha_ext against
+# that torch, the CUDA test cases, bench/bench_cuda.py --quick, then the whole
+# suite. Each stage has its own time limit so that a slow one cannot eat the
+# next; logs go to $OUT (or ./gpu_out). Test-only wheels the image lacks
+# (expecttest, for opcheck) travel in .whl (see the device notes).
+#   bash scripts/gpu_session.sh [tests-s] [bench-s] [suite-s]     (suite-s 0: no suite)
+#   MHA_BENCH_ARGS="--only decode" bash scripts/gpu_session.sh ...  (arguments for bench_cuda.py)
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu_out}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+t_tests=${1:-100}; t_bench=${2:-180}; t_suite=${3:-120}
+stamp() { echo "==> [$(date +%T)] $*"; }
+stamp machine
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+nvidia-smi -L; nproc; lscpu | grep -m1 "Model name"
+python3 -c "import torch, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+stamp build
+rm -f mha_ext/_C*.so
+MAX_JOBS=16 python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1
+rc=$?; tail -3 "$out/build.log"; stamp "build rc=$rc"
+[ $rc = 0 ] || { grep -m20 -i "error" "$out/build.log"; exit 1; }
+stamp "CUDA test cases (those with a cuda parameter, and the GPU-only tests)"
+# 8 workers: a case that crashes the process fails alone (xdist replaces the worker)
+python3 -m pytest --collect-only -q -p no:cacheprovider tests 2>/dev/null | python3 -c '
+import re, sys
+for line in sys.stdin:
+    i = line.strip()
+    m = re.match(r"(tests/\S+?::[^\[]+)(\[(.*)\])?$", i)
+    if m and ("cuda" in (m.group(3) or "").split("-") or re.search(r"on_cuda|test_cuda_build|cuda_graph", m.group(1))):
+        print(i)' > "$out/cuda_ids.txt"
+echo "$(wc -l < "$out/cuda_ids.txt") cases"
+timeout "$t_tests" python3 - "$out" <<'PY'
+import sys, pytest
+ids = [l for l in open(f"{sys.argv[1]}/cuda_ids.txt").read().splitlines() if l]
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-n", "8", "-rfE", *ids]))
+PY
+stamp "CUDA tests rc=$?"
+stamp "bench/bench_cuda.py --quick ${MHA_BENCH_ARGS:-}"
+timeout "$t_bench" python3 bench/bench_cuda.py --quick ${MHA_BENCH_ARGS:-} 2>&1 | grep -v Warning | tee "$out/bench_cuda.log"
+cp bench/out/cuda.md "$out/" 2>/dev/null
+stamp "bench done"
+[ "$t_suite" = 0 ] && exit 0
+stamp "whole suite (-n 14; the transformers models and the wheel test need what the machine lacks)"
+timeout "$t_suite" python3 -m pytest -q -p no:cacheprovider -n 14 -rfE tests \
+  --ignore tests/test_packaging.py --ignore tests/test_transformers.py 2>&1 | tee "$out/suite.log" | tail -40
+stamp "suite rc=${PIPESTATUS[0]}"
