@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # What a session with a lent GPU runs, in one command on that machine (its own
 # python3 and torch; nothing can be installed there): build mha_ext against
-# that torch, the CUDA test cases, bench/bench_cuda.py --quick, then the whole
-# suite. Each stage has its own time limit so that a slow one cannot eat the
-# next; logs go to $OUT (or ./gpu_out). Test-only wheels the image lacks
+# that torch, the CUDA test cases, bench/bench_cuda.py --quick, an ncu profile
+# of one forward and backward, then the whole suite. Each stage has its own
+# time limit so that a slow one cannot eat the next; logs go to $OUT (or
+# ./gpu_out). Test-only wheels the image lacks
 # (expecttest, for opcheck) travel in .whl (see the device notes).
 #   bash scripts/gpu_session.sh [tests-s] [bench-s] [suite-s]     (suite-s 0: no suite)
 #   MHA_BENCH_ARGS="--only decode" bash scripts/gpu_session.sh ...  (arguments for bench_cuda.py)
@@ -45,6 +46,14 @@ stamp "bench/bench_cuda.py --quick ${MHA_BENCH_ARGS:-}"
 timeout "$t_bench" python3 bench/bench_cuda.py --quick ${MHA_BENCH_ARGS:-} 2>&1 | grep -v Warning | tee "$out/bench_cuda.log"
 cp bench/out/cuda.md "$out/" 2>/dev/null
 stamp "bench done"
+stamp "ncu: one float16 forward and backward at head dim 128 (where the time goes inside the kernels)"
+timeout 120 ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
+  --section InstructionStats -k regex:attention_ -c 3 python3 -c "
+import torch, mha_ext
+q, k, v = (torch.randn(4, 16, 4096, 128, device='cuda', dtype=torch.float16, requires_grad=True) for _ in range(3))
+mha_ext.scaled_dot_product_attention(q, k, v).sum().backward()
+torch.cuda.synchronize()" > "$out/ncu.txt" 2>&1
+rc=$?; tail -5 "$out/ncu.txt"; stamp "ncu rc=$rc"
 [ "$t_suite" = 0 ] && exit 0
 stamp "whole suite (-n 14; the transformers models and the wheel test need what the machine lacks)"
 timeout "$t_suite" python3 -m pytest -q -p no:cacheprovider -n 14 -rfE tests \

@@ -394,6 +394,43 @@ def test_emul_gradcheck_float64(backend, is_causal):
     assert torch.autograd.gradcheck(lambda *x: _Attention.apply(backend, *x, is_causal), (q, k, v, mask))
 
 
+@pytest.mark.parametrize("dtype,fp32", [(torch.float32, "auto"), (torch.float32, "3xtf32"), (torch.bfloat16, "auto")])
+def test_emul_hostile_scores_on_interior_tiles(backend, dtype, fp32, monkeypatch):
+    # Whole key tiles with no mask take the forward's interior path, which
+    # keeps the scale out of the scores where they cannot overflow when
+    # scaled. Where one can (a finite dot product of 3e38 at scale 1) the tile
+    # goes the exact way, clamped: that row is the value row of its key, as
+    # in the float64 reference (the CPU kernels give NaN there). A NaN query
+    # row is NaN alone; logits ~1e3 elsewhere.
+    monkeypatch.setenv("MHA_EXT_CUDA_FLOAT32", fp32)
+    n, h, L, S, E = 1, 2, 20, 150, 16
+    q = torch.randn(n, h, L, E) * 300 / E ** 0.5
+    k, v = torch.randn(n, h, S, E), torch.randn(n, h, S, E)
+    q[0, 0, 3] = 0.0
+    q[0, 0, 3, 0] = 2e19
+    k[0, 0, :, 0] = 0.0
+    k[0, 0, 70, 0] = 1.5e19
+    q[0, 1, 5, 2] = float("nan")
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out, lse, _ = backend.attention(q, k, v, None, 0.0, False, 1.0)
+    cpu_out, _, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, 1.0)
+    nan_rows = torch.zeros(n, h, L, dtype=torch.bool)
+    nan_rows[0, 1, 5] = True
+    assert torch.isnan(out).any(-1).equal(nan_rows) and torch.isnan(lse).equal(nan_rows)
+    torch.testing.assert_close(out[0, 0, 3], v[0, 0, 70], rtol=1e-6, atol=0)  # the float64 reference's row
+    rows = ~nan_rows
+    rows[0, 0, 3] = False
+    q_ok = q.clone()
+    q_ok[0, 1, 5, 2] = 0
+    q_ok[0, 0, 3] = 0
+    ref = R.attention(q_ok.double(), k.double(), v.double(), scale=1.0)
+    spread = 1.0 + R.logsumexp(q_ok.double(), k.double(), scale=1.0).abs().max().item()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out[rows].double(), ref[rows], rtol=0, atol=1e-6 * spread)
+    else:
+        assert _err(out[rows], ref[rows]) <= 2.0 * _err(cpu_out[rows], ref[rows]) + 1e-6
+
+
 def test_emul_head_dim_limit_is_a_clear_error(backend):
     q = torch.randn(1, 1, 4, 264)
     with pytest.raises(RuntimeError, match=r"head dims up to 256, got E = 264, Ev = 264"):

@@ -311,6 +311,20 @@ MHA_DEVICE void load_tile_async(T* dst, int ld, int k_rows, int k_cols, const T*
                    reinterpret_cast<uintptr_t>(src) % 16 == 0;
   if (!vec) return load_tile(dst, ld, k_rows, k_cols, src, rs, cs, 0, rows, cols);
   const int chunks = k_cols / kVec, n = k_rows * chunks, step = static_cast<int>(block_dim().x);
+  // (float16 / bfloat16: in the float and double kernels the extra loop cost
+  // registers, float's dQ 16 -> 8 warps per SM on sm_90, double new spills)
+  if (sizeof(T) == 2 && rows >= k_rows && cols == k_cols && step % chunks == 0) {
+    // a whole tile (every key tile but a sequence's last, at head dims 64 /
+    // 128 / 256): no bounds tests, unsigned index arithmetic (19 SASS
+    // instructions a chunk on sm_90, 3 of them the never-executed loads nvcc
+    // puts before each cp.async; the general loop below takes 39)
+    const unsigned uchunks = static_cast<unsigned>(chunks);
+    for (unsigned idx = thread_idx().x; idx < static_cast<unsigned>(n); idx += static_cast<unsigned>(step)) {
+      const unsigned r = idx / uchunks, c = (idx % uchunks) * kVec;
+      cp_async_16(dst + r * static_cast<unsigned>(ld) + c, src + static_cast<int64_t>(r) * rs + c);
+    }
+    return;
+  }
   for (int idx = static_cast<int>(thread_idx().x); idx < n; idx += step) {
     const int r = idx / chunks, c = (idx % chunks) * kVec;
     T* d = dst + r * ld + c;
@@ -588,6 +602,7 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   if (i0 >= L) return;  // a block past a shorter sequence's rows (varlen)
   const A rescale = static_cast<A>(p.dropout.rescale);
   const A scale = static_cast<A>(p.scale);
+  const A scale_units = Units::from_nats(scale);  // the scale in the softmax's units (c)
   const DropoutKey key = dropout_key(p.dropout);
   // float on the tensor cores keeps P in registers too (pv_tf32) at head dim
   // 64 (at 128 and 256 the unrolled P V spilled: 16 and 52 bytes on sm_80);
@@ -628,16 +643,42 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
     // S = Q K^T (16-bit operands by ldmatrix: Q rows as A, K rows as B)
     warp_mma<T>(s, Tile2<T>{q_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane, p.scalar_operands, p.fp32_math);
 
-    // Scores in the softmax's units. An interior tile (interior_tile: every
-    // row of the warp sees it whole) is only scaled; edge and diagonal tiles
-    // go through masked_score per element. Both clamp the same way (from_nats).
+    // Scores in the softmax's units. Edge and diagonal tiles go through
+    // masked_score per element. An interior tile (interior_tile: every row of
+    // the warp sees it whole) is only scaled, and where the warp's scores are
+    // all finite and cannot overflow when scaled (checked once a tile; not
+    // with a negative scale), the row max is taken on the dot products and
+    // each probability is exp2(s c - m) with c = scale log2(e): a multiply,
+    // a subtraction and the exponential, where the path below also clamps,
+    // tests for NaN and branches per score. A NaN or a dot product that
+    // overflows when scaled takes that path.
     A tile_max[2] = {-INFINITY, -INFINITY};
     // (rows past L count as inside: their Q rows are zero and their output
     // is never written, so a decode step's one row, or a GQA group packed
     // into fewer than 16 rows, still takes the interior path)
     const int64_t iw0 = i0 + warp * 16;
     const bool interior = interior_tile(p, iw0, iw0 + 15 < L ? iw0 + 15 : L - 1, j0, j0 + kN - 1);
-    if (interior) {
+    bool fast = false;
+    // (float16 / bfloat16 only: float took more registers, at head dim 64 on
+    // sm_90 12 -> 8 warps per SM, at 256 a 24-byte spill on sm_80)
+    if constexpr (sizeof(T) == 2) {
+      if (interior && scale_units > A(0)) {
+        A amax = A(0);
+MHA_UNROLL
+        for (int t = 0; t < kNT; ++t)
+MHA_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            amax = nan_max(amax, fabsf(s[t][e]));
+            tile_max[e / 2] = fmaxf(tile_max[e / 2], s[t][e]);  // NaN or not, fast is false then
+          }
+        fast = vote_all(amax * scale_units <= Units::kMax);  // false for NaN
+        // c > 0 and rounding is monotonic: max(s) c is the max of s c
+        tile_max[0] *= scale_units;
+        tile_max[1] *= scale_units;
+      }
+    }
+    if (!fast) tile_max[0] = tile_max[1] = A(-INFINITY);
+    if (!fast && interior) {
 MHA_UNROLL
       for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
@@ -645,7 +686,7 @@ MHA_UNROLL
           s[t][e] = Units::from_nats(s[t][e] * scale);
           tile_max[e / 2] = nan_max(tile_max[e / 2], s[t][e]);
         }
-    } else {
+    } else if (!fast) {
 MHA_UNROLL
       for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
@@ -666,27 +707,46 @@ MHA_UNROLL
     }
     A part[2] = {A(0), A(0)};
     const uint32_t keep = dropout_tile_bits<kNT, false>(p, key, b, h, iw0 + MmaLayout::c_row(lane, 0), j0, lane);
-MHA_UNROLL
-    for (int t = 0; t < kNT; ++t)
-MHA_UNROLL
-      for (int e = 0; e < 4; e += 2) {
-        const int r = e / 2;
-        A p0 = m_run[r] == A(-INFINITY) ? A(0) : Units::exp(s[t][e] - m_run[r]);
-        A p1 = m_run[r] == A(-INFINITY) ? A(0) : Units::exp(s[t][e + 1] - m_run[r]);
-        part[r] += p0 + p1;
-        if (p.dropout.enabled()) {
-          p0 = (keep >> (4 * t + e)) & 1u ? p0 * rescale : A(0);
-          p1 = (keep >> (4 * t + e + 1)) & 1u ? p1 * rescale : A(0);
-        }
-        if (kPInRegisters || p_in_registers) {
-          s[t][e] = p0;
-          s[t][e + 1] = p1;
-        } else {
-          T* dst = p_s + (warp * 16 + MmaLayout::c_row(lane, e)) * kLdP + 8 * t + MmaLayout::c_col(lane, e);
-          dst[0] = to_elem<T>(p0);
-          dst[1] = to_elem<T>(p1);
-        }
+    // the probabilities of keys 8 t + c_col(lane, e) and the next, rows r = e / 2
+    auto take = [&](int t, int e, A p0, A p1) {
+      const int r = e / 2;
+      part[r] += p0 + p1;
+      if (p.dropout.enabled()) {
+        p0 = (keep >> (4 * t + e)) & 1u ? p0 * rescale : A(0);
+        p1 = (keep >> (4 * t + e + 1)) & 1u ? p1 * rescale : A(0);
       }
+      if (kPInRegisters || p_in_registers) {
+        s[t][e] = p0;
+        s[t][e + 1] = p1;
+      } else {
+        T* dst = p_s + (warp * 16 + MmaLayout::c_row(lane, e)) * kLdP + 8 * t + MmaLayout::c_col(lane, e);
+        dst[0] = to_elem<T>(p0);
+        dst[1] = to_elem<T>(p1);
+      }
+    };
+    if (fast) {  // m_run is finite here (or NaN from an earlier tile, which the row keeps)
+      if constexpr (sizeof(T) == 2) {
+        // s c rounded before the subtraction (no FMA): the row's max key then
+        // gets exactly 2^0, whatever the magnitude of its score
+MHA_UNROLL
+        for (int t = 0; t < kNT; ++t)
+MHA_UNROLL
+          for (int e = 0; e < 4; e += 2) {
+            const A m = m_run[e / 2];
+            take(t, e, softmax_exp2<T>(fmul_rn(s[t][e], scale_units) - m),
+                 softmax_exp2<T>(fmul_rn(s[t][e + 1], scale_units) - m));
+          }
+      }
+    } else {
+MHA_UNROLL
+      for (int t = 0; t < kNT; ++t)
+MHA_UNROLL
+        for (int e = 0; e < 4; e += 2) {
+          const int r = e / 2;
+          take(t, e, m_run[r] == A(-INFINITY) ? A(0) : Units::exp(s[t][e] - m_run[r]),
+               m_run[r] == A(-INFINITY) ? A(0) : Units::exp(s[t][e + 1] - m_run[r]));
+        }
+    }
 MHA_UNROLL
     for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + part[r];
 MHA_UNROLL

@@ -85,12 +85,50 @@ struct AccOf<double> {
 };
 
 // Max that propagates NaN from either side (fmaxf drops it; a NaN score must
-// make its row NaN, as on the CPU).
+// make its row NaN, as on the CPU). On sm_80 and later, float's is one
+// instruction (max.NaN) instead of two tests and a branch.
 template <typename A>
 MHA_DEVICE A nan_max(A a, A b) {
   if (a != a) return a;
   if (b != b) return b;
   return b > a ? b : a;
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+MHA_DEVICE float nan_max(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+#endif
+
+// a * b rounded, never fused with an addition into an FMA
+#if defined(__CUDACC__)
+MHA_DEVICE float fmul_rn(float a, float b) { return __fmul_rn(a, b); }
+#else
+inline float fmul_rn(float a, float b) {
+  volatile float r = a * b;
+  return r;
+}
+#endif
+
+// 2^x for a softmax probability of element type T. For float16 / bfloat16,
+// whose P the tensor cores take rounded to 11 / 8 bits, the hardware's
+// approximation (ex2.approx.ftz: about 2 ulp of float, results below 2^-126
+// flushed to zero) instead of exp2f's range reduction; the emulation flushes
+// alike. float and double keep the accurate function.
+template <typename T>
+MHA_DEVICE float softmax_exp2(float x) {
+  if constexpr (sizeof(T) == 2) {
+#if defined(__CUDA_ARCH__)
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+#elif !defined(__CUDACC__)
+    const float r = std::exp2(x);
+    return r < 1.17549435e-38f ? 0.0f : r;
+#endif
+  }
+  return fexp2(x);
 }
 
 }  // namespace mha_ext::simt
