@@ -399,6 +399,30 @@ struct SoftmaxUnits<float> {
   MHA_DEVICE static float log(float x) { return flog2(x); }
 };
 
+// Whether a warp's tile of raw dot products s (the C fragments of S = Q K^T)
+// may take the plain softmax: float16 / bfloat16, an interior tile (no mask,
+// softcap, ALiBi or bounds inside it), c = the scale in the softmax's units
+// > 0, and every s finite and finite once multiplied by c (one NaN-
+// propagating max of |s| a score and a vote). Then the forward's
+// probabilities are exp2(round(s c) - m) and the backward's exp2(min(round(s
+// c) - shift, 0) - log_norm), with no clamp, NaN test or branch per score;
+// otherwise the exact per-score path (from_nats clamps a finite score that
+// overflows). interior and c are the same on every lane, so every lane votes.
+// (float and double keep the exact path: the plain one cost them registers.)
+template <typename T, int N, typename A>
+MHA_DEVICE bool plain_scores(const A (&s)[N][4], bool interior, A c) {
+  if constexpr (sizeof(T) == 2) {
+    if (!interior || !(c > A(0))) return false;
+    A amax = A(0);
+MHA_UNROLL
+    for (int t = 0; t < N; ++t)
+MHA_UNROLL
+      for (int e = 0; e < 4; ++e) amax = nan_max(amax, fabsf(s[t][e]));
+    return vote_all(amax * c <= SoftmaxUnits<A>::kMax);  // false for NaN
+  }
+  return false;
+}
+
 // d(score) / d(scale * dot product): the softcap's 1 - tanh^2, else 1.
 template <typename A>
 MHA_DEVICE A score_slope(const AttentionFwdParams& p, A s) {
@@ -644,40 +668,25 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
     warp_mma<T>(s, Tile2<T>{q_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane, p.scalar_operands, p.fp32_math);
 
     // Scores in the softmax's units. Edge and diagonal tiles go through
-    // masked_score per element. An interior tile (interior_tile: every row of
-    // the warp sees it whole) is only scaled, and where the warp's scores are
-    // all finite and cannot overflow when scaled (checked once a tile; not
-    // with a negative scale), the row max is taken on the dot products and
-    // each probability is exp2(s c - m) with c = scale log2(e): a multiply,
-    // a subtraction and the exponential, where the path below also clamps,
-    // tests for NaN and branches per score. A NaN or a dot product that
-    // overflows when scaled takes that path.
+    // masked_score per element; an interior tile (interior_tile: every row of
+    // the warp sees it whole) is only scaled, or where plain_scores allows,
+    // not even that: the row max is taken on the dot products.
     A tile_max[2] = {-INFINITY, -INFINITY};
     // (rows past L count as inside: their Q rows are zero and their output
     // is never written, so a decode step's one row, or a GQA group packed
     // into fewer than 16 rows, still takes the interior path)
     const int64_t iw0 = i0 + warp * 16;
     const bool interior = interior_tile(p, iw0, iw0 + 15 < L ? iw0 + 15 : L - 1, j0, j0 + kN - 1);
-    bool fast = false;
-    // (float16 / bfloat16 only: float took more registers, at head dim 64 on
-    // sm_90 12 -> 8 warps per SM, at 256 a 24-byte spill on sm_80)
-    if constexpr (sizeof(T) == 2) {
-      if (interior && scale_units > A(0)) {
-        A amax = A(0);
+    const bool fast = plain_scores<T>(s, interior, scale_units);
+    if (fast) {
 MHA_UNROLL
-        for (int t = 0; t < kNT; ++t)
+      for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
-          for (int e = 0; e < 4; ++e) {
-            amax = nan_max(amax, fabsf(s[t][e]));
-            tile_max[e / 2] = fmaxf(tile_max[e / 2], s[t][e]);  // NaN or not, fast is false then
-          }
-        fast = vote_all(amax * scale_units <= Units::kMax);  // false for NaN
-        // c > 0 and rounding is monotonic: max(s) c is the max of s c
-        tile_max[0] *= scale_units;
-        tile_max[1] *= scale_units;
-      }
+        for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[t][e]);
+      // c > 0 and rounding is monotonic: max(s) c is the max of s c
+      tile_max[0] *= scale_units;
+      tile_max[1] *= scale_units;
     }
-    if (!fast) tile_max[0] = tile_max[1] = A(-INFINITY);
     if (!fast && interior) {
 MHA_UNROLL
       for (int t = 0; t < kNT; ++t)
@@ -916,6 +925,18 @@ MHA_DEVICE void prob_and_grad(const AttentionBwdParams& p, int64_t b, int64_t h,
 
 // Score of query row i against key j of head (b, h), a dot product on the
 // CUDA cores (the exact row statistics below).
+// prob_and_grad on a tile plain_scores allowed, with no dropout and no mask
+// gradient to write: the probability exp2(min(round(s c) - shift, 0) -
+// log_norm) (c: the scale in the softmax's units) and dS = P (dP - D);
+// nothing for a fully masked row.
+template <typename T, typename A>
+MHA_DEVICE void plain_prob_and_grad(A s, A dp, A shift, A log_norm, A d, A c, A& prob, A& ds) {
+  const A x = fmul_rn(s, c) - shift;
+  const bool row = shift != A(-INFINITY);
+  prob = row ? softmax_exp2<T>((x < A(0) ? x : A(0)) - log_norm) : A(0);
+  ds = row ? prob * (dp - d) : A(0);
+}
+
 template <typename T, typename A>
 MHA_DEVICE A row_score(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int64_t j) {
   const T* q = as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h + i * p.q_stride.row;
@@ -1000,6 +1021,7 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   const int row0 = (warp % kRowWarps) * 16, split = warp / kRowWarps, c_base = split * kCols, n0 = 8 * kNTw * split;
   const int64_t bh = block_idx().x, b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
   const AttentionBwdParams p = sequence_params<T, A>(params, b);  // params itself unless varlen
+  const A scale_units = SoftmaxUnits<A>::from_nats(static_cast<A>(p.scale));  // plain_scores' c
   const bool scalar = p.scalar_operands;  // operands by plain loads (launch.h)
   const DropoutKey key = dropout_key(p.dropout);
   const int64_t j0 = static_cast<int64_t>(block_idx().y) * kB;
@@ -1071,6 +1093,8 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
       warp_mma<T>(st, Tile2<T>{k_s + row0 * kLd, kLd, 1}, Tile2<T>{q_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar, p.fp32_math);
       warp_mma<T>(dst, Tile2<T>{v_s + row0 * kLd, kLd, 1}, Tile2<T>{do_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar, p.fp32_math);
       const bool interior = interior_tile(p, i0 + n0, i0 + n0 + 8 * kNTw - 1, j0 + row0, j0 + row0 + 15);
+      const bool plain =
+          plain_scores<T>(st, interior && p.grad_mask == nullptr && !p.dropout.enabled(), scale_units);
       const uint32_t keep =
           dropout_tile_bits<kNTw, true>(p, key, b, h, j0 + row0 + MmaLayout::c_row(lane, 0), i0 + n0, lane);
 MHA_UNROLL
@@ -1079,8 +1103,12 @@ MHA_UNROLL
         for (int e = 0; e < 4; ++e) {
           const int rj = row0 + MmaLayout::c_row(lane, e), ci = n0 + 8 * t + MmaLayout::c_col(lane, e);
           A prob;
-          prob_and_grad<T>(p, b, h, i0 + ci, j0 + rj, st[t][e], dst[t][e], shift_s[ci], norm_s[ci], d_s[ci], interior,
-                           (keep >> (4 * t + e)) & 1u, static_cast<A*>(p.grad_mask), prob, dst[t][e]);
+          if (plain) {
+            plain_prob_and_grad<T>(st[t][e], dst[t][e], shift_s[ci], norm_s[ci], d_s[ci], scale_units, prob, dst[t][e]);
+          } else {
+            prob_and_grad<T>(p, b, h, i0 + ci, j0 + rj, st[t][e], dst[t][e], shift_s[ci], norm_s[ci], d_s[ci],
+                             interior, (keep >> (4 * t + e)) & 1u, static_cast<A*>(p.grad_mask), prob, dst[t][e]);
+          }
           t_s[rj * kLdP + ci] = to_elem<T>(prob);
         }
     }
@@ -1154,6 +1182,7 @@ MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams params) {
   const int row0 = (warp % kRowWarps) * 16, split = warp / kRowWarps, c_base = split * kCols, n0 = 8 * kNTw * split;
   const int64_t bh = block_idx().x, b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
   const AttentionBwdParams p = sequence_params<T, A>(params, b);  // params itself unless varlen
+  const A scale_units = SoftmaxUnits<A>::from_nats(static_cast<A>(p.scale));  // plain_scores' c
   const bool scalar = p.scalar_operands;  // operands by plain loads (launch.h)
   const int64_t i0 = static_cast<int64_t>(block_idx().y) * kB;
   const int64_t L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
@@ -1198,6 +1227,7 @@ MHA_UNROLL
       warp_mma<T>(s, Tile2<T>{q_s + row0 * kLd, kLd, 1}, Tile2<T>{k_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar, p.fp32_math);
       warp_mma<T>(dp, Tile2<T>{do_s + row0 * kLd, kLd, 1}, Tile2<T>{v_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar, p.fp32_math);
       const bool interior = interior_tile(p, i0 + row0, i0 + row0 + 15, j0 + n0, j0 + n0 + 8 * kNTw - 1);
+      const bool plain = plain_scores<T>(s, interior && !p.dropout.enabled(), scale_units);
       const uint32_t keep =
           dropout_tile_bits<kNTw, false>(p, key, b, h, i0 + row0 + MmaLayout::c_row(lane, 0), j0 + n0, lane);
 MHA_UNROLL
@@ -1206,9 +1236,13 @@ MHA_UNROLL
         for (int e = 0; e < 4; ++e) {
           const int ri = row0 + MmaLayout::c_row(lane, e), cj = n0 + 8 * t + MmaLayout::c_col(lane, e);
           A prob, ds;
-          // the key-block kernel writes the mask gradient
-          prob_and_grad<T>(p, b, h, i0 + ri, j0 + cj, s[t][e], dp[t][e], shift[e / 2], norm[e / 2], dd[e / 2],
-                           interior, (keep >> (4 * t + e)) & 1u, static_cast<A*>(nullptr), prob, ds);
+          if (plain) {
+            plain_prob_and_grad<T>(s[t][e], dp[t][e], shift[e / 2], norm[e / 2], dd[e / 2], scale_units, prob, ds);
+          } else {
+            // the key-block kernel writes the mask gradient
+            prob_and_grad<T>(p, b, h, i0 + ri, j0 + cj, s[t][e], dp[t][e], shift[e / 2], norm[e / 2], dd[e / 2],
+                             interior, (keep >> (4 * t + e)) & 1u, static_cast<A*>(nullptr), prob, ds);
+          }
           t_s[ri * kLdP + cj] = to_elem<T>(ds);
         }
     }
