@@ -394,57 +394,65 @@ def test_emul_gradcheck_float64(backend, is_causal):
     assert torch.autograd.gradcheck(lambda *x: _Attention.apply(backend, *x, is_causal), (q, k, v, mask))
 
 
-@pytest.mark.parametrize("dtype,fp32", [(torch.float32, "auto"), (torch.float32, "3xtf32"), (torch.bfloat16, "auto")])
-def test_emul_hostile_scores_on_interior_tiles(backend, dtype, fp32, monkeypatch):
-    # Whole key tiles with no mask take the forward's interior path, which
-    # keeps the scale out of the scores where they cannot overflow when
-    # scaled. Where one can (a finite dot product of 3e38 at scale 1) the tile
-    # goes the exact way, clamped: that row is the value row of its key, as
-    # in the float64 reference (the CPU kernels give NaN there). A NaN query
-    # row is NaN alone; logits ~1e3 elsewhere.
-    monkeypatch.setenv("MHA_EXT_CUDA_FLOAT32", fp32)
-    n, h, L, S, E = 1, 2, 20, 150, 16
-    q = torch.randn(n, h, L, E) * 300 / E ** 0.5
-    k, v = torch.randn(n, h, S, E), torch.randn(n, h, S, E)
-    q[0, 0, 3] = 0.0
-    q[0, 0, 3, 0] = 2e19
-    k[0, 0, :, 0] = 0.0
-    k[0, 0, 70, 0] = 1.5e19
+@pytest.mark.parametrize("scale", [None, 1.0], ids=["default scale", "scale 1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_emul_hostile_scores_on_interior_tiles(backend, dtype, scale):
+    # Whole key tiles with no mask (interior tiles) take the plain softmax in
+    # float16 / bfloat16 where their scores stay finite once scaled, the exact
+    # clamped path elsewhere; both must give the same scaled scores to the
+    # bit, since a row's tiles and its backward mix them. Head dim 128 (the
+    # whole-tile copies), L = 64 (whole query tiles for the backward), S = 190
+    # (a partial last key tile, an edge tile). Head 0: rows 16-31 score ~1e11
+    # on one key dimension, so their lse is ~1e10 and the backward uses the
+    # rows' exact statistics; those with a positive coefficient see two equal
+    # best keys, 10 (interior tile) and 150 (edge tile), and must split 0.5 /
+    # 0.5 (a one-ulp disagreement between the paths makes them one-hot), the
+    # others one best key, 40. Row 3 has a finite dot product of 3e38, which
+    # at scale 1 overflows once scaled (the exact way: clamped, its key's value
+    # row, as in the float64 reference; the CPU kernels give NaN there). Head
+    # 1 has a NaN query row, NaN alone. Other rows: moderate logits.
+    n, h, L, S, E = 1, 2, 64, 190, 128
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, m, E, generator=g) for m in (L, S, S))
+    q[..., :2] = 0.0
+    k[..., :2] = 0.0
+    sign = torch.where(torch.arange(16) % 3 == 0, -1.0, 1.0)
+    q[0, 0, 16:32, 0] = sign * (1 + torch.rand(16, generator=g)) * 2e5
+    k[0, 0, :, 0] = (1.5 + torch.rand(S, generator=g)) * 1e5
+    k[0, 0, 10, 0], k[0, 0, 40, 0] = 3e5, 1e5
+    k[0, 0, 150] = k[0, 0, 10]
+    q[0, 0, 3, 1] = 2e19
+    k[0, 0, 70, 1] = 1.5e19
     q[0, 1, 5, 2] = float("nan")
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    out, lse, _ = backend.attention(q, k, v, None, 0.0, False, 1.0)
-    cpu_out, _, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, 1.0)
+    out, lse, _ = backend.attention(q, k, v, None, 0.0, False, scale)
     nan_rows = torch.zeros(n, h, L, dtype=torch.bool)
     nan_rows[0, 1, 5] = True
     assert torch.isnan(out).any(-1).equal(nan_rows) and torch.isnan(lse).equal(nan_rows)
-    torch.testing.assert_close(out[0, 0, 3], v[0, 0, 70], rtol=1e-6, atol=0)  # the float64 reference's row
-    rows = ~nan_rows
-    rows[0, 0, 3] = False
+    torch.testing.assert_close(out[0, 0, 3], v[0, 0, 70], rtol=1e-6, atol=0)
+    two = sign > 0
+    torch.testing.assert_close(out[0, 0, 16:32][two], ((v[0, 0, 10].double() + v[0, 0, 150].double()) / 2)
+                               .to(dtype).expand(int(two.sum()), E), rtol=1e-6, atol=0)
+    torch.testing.assert_close(out[0, 0, 16:32][~two], v[0, 0, 40].expand(int((~two).sum()), E), rtol=1e-6, atol=0)
     q_ok = q.clone()
     q_ok[0, 1, 5, 2] = 0
-    q_ok[0, 0, 3] = 0
-    ref = R.attention(q_ok.double(), k.double(), v.double(), scale=1.0)
-    spread = 1.0 + R.logsumexp(q_ok.double(), k.double(), scale=1.0).abs().max().item()
-    if dtype == torch.float32:
-        torch.testing.assert_close(out[rows].double(), ref[rows], rtol=0, atol=1e-6 * spread)
-    else:
-        assert _err(out[rows], ref[rows]) <= 2.0 * _err(cpu_out[rows], ref[rows]) + 1e-6
+    (ref, _), (eager, _) = references(q_ok, k, v, scale=scale)
+    ok = ~nan_rows
+    assert _err(out[ok], ref[ok]) <= 2.0 * _err(eager[ok], ref[ok]) + 1e-6
     if dtype != torch.bfloat16:
         return
-    # bfloat16 (where interior tiles take the plain backward too): the
-    # backward of head 0 (head 1 holds the NaN row), rows whose key 70 scores
-    # ~1e20 (one-hot rows) and row 3 among them, every gradient against the
-    # reference within twice eager torch's error in the dtype. (float32 is
-    # left out: there dS = P (dP - D) of a one-hot row is a rounding residue
-    # of D, ~1e-7, times q = 2e19 in dK, as in any kernel that takes D =
-    # rowsum(dO O); eager's softmax backward gives exactly 0.)
+    # bfloat16, where interior tiles take the plain backward too: dV of head 0
+    # (head 1's gradients are NaN) against the reference, within twice eager
+    # torch's error in the dtype (dQ and dK of one-hot rows carry a rounding
+    # residue of D = rowsum(dO O) times q ~ 1e19 here, in any kernel that
+    # takes D; eager's softmax backward has exactly 0 there)
     head = [x[:, :1].contiguous() for x in (q, k, v, out, lse)]
-    go = torch.randn_like(head[3])
-    grads = _backward(backend, *head, go, scale=1.0)
-    (_, ref_grads), (_, eager_grads) = references(*head[:3], go, scale=1.0)
-    for a, r, e in zip(grads[:3], ref_grads, eager_grads):
-        assert torch.isfinite(a).all()
-        assert _err(a, r) <= 2.0 * _err(e, r) + 1e-6, (_err(a, r), _err(e, r))
+    go = torch.randn(head[3].shape, generator=g).to(dtype)
+    dv = _backward(backend, *head, go, scale=scale)[2]
+    (_, ref_grads), (_, eager_grads) = references(*head[:3], go, scale=scale)
+    assert torch.isfinite(dv).all()
+    assert _err(dv, ref_grads[2]) <= 2.0 * _err(eager_grads[2], ref_grads[2]) + 1e-6, (
+        _err(dv, ref_grads[2]), _err(eager_grads[2], ref_grads[2]))
 
 
 def test_emul_head_dim_limit_is_a_clear_error(backend):

@@ -384,6 +384,7 @@ template <typename A>
 struct SoftmaxUnits {
   static constexpr A kPerNat = A(1);
   MHA_DEVICE static A from_nats(A x) { return x; }
+  MHA_DEVICE static A scaled(A x, A scale) { return x * scale; }
   MHA_DEVICE static A exp(A x) { return fexp(x); }
   MHA_DEVICE static A log(A x) { return flog(x); }
 };
@@ -397,28 +398,33 @@ struct SoftmaxUnits<float> {
   }
   MHA_DEVICE static float exp(float x) { return fexp2(x); }
   MHA_DEVICE static float log(float x) { return flog2(x); }
+  // from_nats(x * scale) where that product does not overflow: the same
+  // bits (two roundings, neither multiply fused), without the clamp
+  MHA_DEVICE static float scaled(float x, float scale) { return fmul_rn(fmul_rn(x, scale), kPerNat); }
 };
 
 // Whether a warp's tile of raw dot products s (the C fragments of S = Q K^T)
 // may take the plain softmax: float16 / bfloat16, an interior tile (no mask,
-// softcap, ALiBi or bounds inside it), c = the scale in the softmax's units
-// > 0, and every s finite and finite once multiplied by c (one NaN-
-// propagating max of |s| a score and a vote). Then the forward's
-// probabilities are exp2(round(s c) - m) and the backward's exp2(min(round(s
-// c) - shift, 0) - log_norm), with no clamp, NaN test or branch per score;
-// otherwise the exact per-score path (from_nats clamps a finite score that
-// overflows). interior and c are the same on every lane, so every lane votes.
-// (float and double keep the exact path: the plain one cost them registers.)
+// softcap, ALiBi or bounds inside it), scale > 0, and every s finite and
+// finite once scaled (one NaN-propagating max of |s| a score and a vote).
+// Then each score in the softmax's units is SoftmaxUnits::scaled(s, scale),
+// the bits the exact path's from_nats(s * scale) gives, so a row's tiles and
+// its backward agree whichever path each took; the forward's probabilities
+// are exp2(u - m) and the backward's exp2(min(u - shift, 0) - log_norm),
+// with no clamp, NaN test or branch per score. interior and scale are the
+// same on every lane, so every lane votes. (float and double keep the exact
+// path: the plain one cost them registers.)
 template <typename T, int N, typename A>
-MHA_DEVICE bool plain_scores(const A (&s)[N][4], bool interior, A c) {
+MHA_DEVICE bool plain_scores(const A (&s)[N][4], bool interior, A scale) {
   if constexpr (sizeof(T) == 2) {
-    if (!interior || !(c > A(0))) return false;
+    if (!interior || !(scale > A(0))) return false;
     A amax = A(0);
 MHA_UNROLL
     for (int t = 0; t < N; ++t)
 MHA_UNROLL
       for (int e = 0; e < 4; ++e) amax = nan_max(amax, fabsf(s[t][e]));
-    return vote_all(amax * c <= SoftmaxUnits<A>::kMax);  // false for NaN
+    // both roundings are monotonic: no |s| of the tile scales past amax's
+    return vote_all(SoftmaxUnits<A>::scaled(amax, scale) <= SoftmaxUnits<A>::kMax);  // false for NaN
   }
   return false;
 }
@@ -626,7 +632,6 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   if (i0 >= L) return;  // a block past a shorter sequence's rows (varlen)
   const A rescale = static_cast<A>(p.dropout.rescale);
   const A scale = static_cast<A>(p.scale);
-  const A scale_units = Units::from_nats(scale);  // the scale in the softmax's units (c)
   const DropoutKey key = dropout_key(p.dropout);
   // float on the tensor cores keeps P in registers too (pv_tf32) at head dim
   // 64 (at 128 and 256 the unrolled P V spilled: 16 and 52 bytes on sm_80);
@@ -677,15 +682,17 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
     // into fewer than 16 rows, still takes the interior path)
     const int64_t iw0 = i0 + warp * 16;
     const bool interior = interior_tile(p, iw0, iw0 + 15 < L ? iw0 + 15 : L - 1, j0, j0 + kN - 1);
-    const bool fast = plain_scores<T>(s, interior, scale_units);
-    if (fast) {
+    const bool fast = plain_scores<T>(s, interior, scale);
+    if constexpr (std::is_same_v<A, float>) {
+      if (fast) {
 MHA_UNROLL
-      for (int t = 0; t < kNT; ++t)
+        for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
-        for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[t][e]);
-      // c > 0 and rounding is monotonic: max(s) c is the max of s c
-      tile_max[0] *= scale_units;
-      tile_max[1] *= scale_units;
+          for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[t][e]);
+        // scale > 0 and rounding is monotonic: the scaled max is the max scaled
+        tile_max[0] = Units::scaled(tile_max[0], scale);
+        tile_max[1] = Units::scaled(tile_max[1], scale);
+      }
     }
     if (!fast && interior) {
 MHA_UNROLL
@@ -735,15 +742,15 @@ MHA_UNROLL
     };
     if (fast) {  // m_run is finite here (or NaN from an earlier tile, which the row keeps)
       if constexpr (sizeof(T) == 2) {
-        // s c rounded before the subtraction (no FMA): the row's max key then
-        // gets exactly 2^0, whatever the magnitude of its score
+        // the scaled score rounded before the subtraction (no FMA): the row's
+        // max key then gets exactly 2^0, whatever the magnitude of its score
 MHA_UNROLL
         for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
           for (int e = 0; e < 4; e += 2) {
             const A m = m_run[e / 2];
-            take(t, e, softmax_exp2<T>(fmul_rn(s[t][e], scale_units) - m),
-                 softmax_exp2<T>(fmul_rn(s[t][e + 1], scale_units) - m));
+            take(t, e, softmax_exp2<T>(Units::scaled(s[t][e], scale) - m),
+                 softmax_exp2<T>(Units::scaled(s[t][e + 1], scale) - m));
           }
       }
     } else {
@@ -926,12 +933,11 @@ MHA_DEVICE void prob_and_grad(const AttentionBwdParams& p, int64_t b, int64_t h,
 // Score of query row i against key j of head (b, h), a dot product on the
 // CUDA cores (the exact row statistics below).
 // prob_and_grad on a tile plain_scores allowed, with no dropout and no mask
-// gradient to write: the probability exp2(min(round(s c) - shift, 0) -
-// log_norm) (c: the scale in the softmax's units) and dS = P (dP - D);
-// nothing for a fully masked row.
+// gradient to write: the probability exp2(min(scaled(s) - shift, 0) -
+// log_norm) and dS = P (dP - D); nothing for a fully masked row.
 template <typename T, typename A>
-MHA_DEVICE void plain_prob_and_grad(A s, A dp, A shift, A log_norm, A d, A c, A& prob, A& ds) {
-  const A x = fmul_rn(s, c) - shift;
+MHA_DEVICE void plain_prob_and_grad(A s, A dp, A shift, A log_norm, A d, A scale, A& prob, A& ds) {
+  const A x = SoftmaxUnits<A>::scaled(s, scale) - shift;
   const bool row = shift != A(-INFINITY);
   prob = row ? softmax_exp2<T>((x < A(0) ? x : A(0)) - log_norm) : A(0);
   ds = row ? prob * (dp - d) : A(0);
@@ -1021,7 +1027,7 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   const int row0 = (warp % kRowWarps) * 16, split = warp / kRowWarps, c_base = split * kCols, n0 = 8 * kNTw * split;
   const int64_t bh = block_idx().x, b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
   const AttentionBwdParams p = sequence_params<T, A>(params, b);  // params itself unless varlen
-  const A scale_units = SoftmaxUnits<A>::from_nats(static_cast<A>(p.scale));  // plain_scores' c
+  const A scale = static_cast<A>(p.scale);
   const bool scalar = p.scalar_operands;  // operands by plain loads (launch.h)
   const DropoutKey key = dropout_key(p.dropout);
   const int64_t j0 = static_cast<int64_t>(block_idx().y) * kB;
@@ -1094,7 +1100,7 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
       warp_mma<T>(dst, Tile2<T>{v_s + row0 * kLd, kLd, 1}, Tile2<T>{do_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar, p.fp32_math);
       const bool interior = interior_tile(p, i0 + n0, i0 + n0 + 8 * kNTw - 1, j0 + row0, j0 + row0 + 15);
       const bool plain =
-          plain_scores<T>(st, interior && p.grad_mask == nullptr && !p.dropout.enabled(), scale_units);
+          plain_scores<T>(st, interior && p.grad_mask == nullptr && !p.dropout.enabled(), scale);
       const uint32_t keep =
           dropout_tile_bits<kNTw, true>(p, key, b, h, j0 + row0 + MmaLayout::c_row(lane, 0), i0 + n0, lane);
 MHA_UNROLL
@@ -1104,7 +1110,7 @@ MHA_UNROLL
           const int rj = row0 + MmaLayout::c_row(lane, e), ci = n0 + 8 * t + MmaLayout::c_col(lane, e);
           A prob;
           if (plain) {
-            plain_prob_and_grad<T>(st[t][e], dst[t][e], shift_s[ci], norm_s[ci], d_s[ci], scale_units, prob, dst[t][e]);
+            plain_prob_and_grad<T>(st[t][e], dst[t][e], shift_s[ci], norm_s[ci], d_s[ci], scale, prob, dst[t][e]);
           } else {
             prob_and_grad<T>(p, b, h, i0 + ci, j0 + rj, st[t][e], dst[t][e], shift_s[ci], norm_s[ci], d_s[ci],
                              interior, (keep >> (4 * t + e)) & 1u, static_cast<A*>(p.grad_mask), prob, dst[t][e]);
@@ -1182,7 +1188,7 @@ MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams params) {
   const int row0 = (warp % kRowWarps) * 16, split = warp / kRowWarps, c_base = split * kCols, n0 = 8 * kNTw * split;
   const int64_t bh = block_idx().x, b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
   const AttentionBwdParams p = sequence_params<T, A>(params, b);  // params itself unless varlen
-  const A scale_units = SoftmaxUnits<A>::from_nats(static_cast<A>(p.scale));  // plain_scores' c
+  const A scale = static_cast<A>(p.scale);
   const bool scalar = p.scalar_operands;  // operands by plain loads (launch.h)
   const int64_t i0 = static_cast<int64_t>(block_idx().y) * kB;
   const int64_t L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
@@ -1227,7 +1233,7 @@ MHA_UNROLL
       warp_mma<T>(s, Tile2<T>{q_s + row0 * kLd, kLd, 1}, Tile2<T>{k_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar, p.fp32_math);
       warp_mma<T>(dp, Tile2<T>{do_s + row0 * kLd, kLd, 1}, Tile2<T>{v_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar, p.fp32_math);
       const bool interior = interior_tile(p, i0 + row0, i0 + row0 + 15, j0 + n0, j0 + n0 + 8 * kNTw - 1);
-      const bool plain = plain_scores<T>(s, interior && !p.dropout.enabled(), scale_units);
+      const bool plain = plain_scores<T>(s, interior && !p.dropout.enabled(), scale);
       const uint32_t keep =
           dropout_tile_bits<kNTw, false>(p, key, b, h, i0 + row0 + MmaLayout::c_row(lane, 0), j0 + n0, lane);
 MHA_UNROLL
@@ -1237,7 +1243,7 @@ MHA_UNROLL
           const int ri = row0 + MmaLayout::c_row(lane, e), cj = n0 + 8 * t + MmaLayout::c_col(lane, e);
           A prob, ds;
           if (plain) {
-            plain_prob_and_grad<T>(s[t][e], dp[t][e], shift[e / 2], norm[e / 2], dd[e / 2], scale_units, prob, ds);
+            plain_prob_and_grad<T>(s[t][e], dp[t][e], shift[e / 2], norm[e / 2], dd[e / 2], scale, prob, ds);
           } else {
             // the key-block kernel writes the mask gradient
             prob_and_grad<T>(p, b, h, i0 + ri, j0 + cj, s[t][e], dp[t][e], shift[e / 2], norm[e / 2], dd[e / 2],
