@@ -393,7 +393,7 @@ struct SoftmaxUnits<float> {
   static constexpr float kPerNat = 1.4426950408889634f;  // log2(e)
   static constexpr float kMax = 3.40282347e+38f;
   MHA_DEVICE static float from_nats(float x) {
-    const float u = x * kPerNat;
+    const float u = fmul_rn(x, kPerNat);  // never fused into a later subtraction: scaled's bits
     return (u < -kMax && x >= -kMax) ? -kMax : ((u > kMax && x <= kMax) ? kMax : u);
   }
   MHA_DEVICE static float exp(float x) { return fexp2(x); }
