@@ -1147,7 +1147,7 @@ MHA_UNROLL
             const int64_t i = i0 + row0 + MmaLayout::c_row(lane, e);
             const int c = c0 + 8 * t + MmaLayout::c_col(lane, e);
             if (i < L && c < E)
-              atomic_add(dq_g + i * p.grad_q_stride.row + c, dqa[t][e] * static_cast<A>(p.scale));
+              atomic_add(dq_g + i * p.grad_q_stride.row + c, dqa[t][e] * scale);
           }
       }
     }
@@ -1162,7 +1162,7 @@ MHA_UNROLL
     for (int e = 0; e < 4; ++e) {
       const int64_t j = j0 + row0 + MmaLayout::c_row(lane, e);
       const int c = c_base + 8 * t + MmaLayout::c_col(lane, e);
-      if (j < S && c < E) dk_g[j * p.grad_k_stride.row + c] = dk[t][e] * static_cast<A>(p.scale);
+      if (j < S && c < E) dk_g[j * p.grad_k_stride.row + c] = dk[t][e] * scale;
       if (j < S && c < Ev) dv_g[j * p.grad_v_stride.row + c] = dv[t][e];
     }
 }
@@ -1268,7 +1268,7 @@ MHA_UNROLL
     for (int e = 0; e < 4; ++e) {
       const int64_t i = i0 + row0 + MmaLayout::c_row(lane, e);
       const int c = c_base + 8 * t + MmaLayout::c_col(lane, e);
-      if (i < L && c < E) dq_g[i * p.grad_q_stride.row + c] = to_elem<T>(dq[t][e] * static_cast<A>(p.scale));
+      if (i < L && c < E) dq_g[i * p.grad_q_stride.row + c] = to_elem<T>(dq[t][e] * scale);
     }
 }
 
