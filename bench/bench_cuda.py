@@ -10,8 +10,9 @@ synchronised): what the first session with a GPU runs.
    float16 / bfloat16, head dims 64 and 128, L = 512 .. 16k, causal and not.
 2. The run-time switches of the CUDA backend, each value against the default,
    forward and forward+backward, interleaved in the same process (they are read
-   at each launch): MHA_EXT_CUDA_FWD_ROWS (64 / 128 query rows per forward
-   block), MHA_EXT_CUDA_OPERANDS (ldmatrix / scalar operand loads), and for
+   at each launch): MHA_EXT_CUDA_FWD_WARP_ROWS (the plain forward kernel's
+   32 query rows a warp, or the general kernel's 16), MHA_EXT_CUDA_FWD_ROWS
+   (64 / 128 query rows per forward block), MHA_EXT_CUDA_OPERANDS (ldmatrix / scalar operand loads), and for
    float32 MHA_EXT_CUDA_FLOAT32 (auto with TF32 off and on, 3xtf32,
    cuda-cores) beside torch's float32 (memory-efficient backend).
 3. Decoding (one query row against 2k-32k keys, B = 1 and 8, 32 heads on 8
@@ -116,6 +117,8 @@ def switches(device, lengths, reps, gflop, times):
     """Table 2: each value of a run-time switch against the default, as time /
     default time (below 1: faster than the default)."""
     variants = [
+        (torch.float16, 128, "MHA_EXT_CUDA_FWD_WARP_ROWS", ["auto", "16"]),
+        (torch.bfloat16, 64, "MHA_EXT_CUDA_FWD_WARP_ROWS", ["auto", "16"]),
         (torch.float16, 128, "MHA_EXT_CUDA_FWD_ROWS", ["auto", "64", "128"]),
         (torch.float16, 64, "MHA_EXT_CUDA_FWD_ROWS", ["auto", "64", "128"]),
         (torch.bfloat16, 128, "MHA_EXT_CUDA_OPERANDS", ["ldmatrix", "scalar"]),

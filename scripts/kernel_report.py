@@ -64,8 +64,10 @@ def kernels(ptx):
 
 
 def describe(mangled):
-    """('fwd' | 'bwd' | 'dq', dtype, head dim) of a mangled kernel name."""
-    kind = "dq" if "bwd_dq_kernel" in mangled else "bwd" if "bwd_kernel" in mangled else "fwd"
+    """('fwd' | 'fwd-plain' | 'bwd' | 'dq', dtype, head dim) of a mangled
+    kernel name (fwd-plain: the forward's plain kernel, 32 rows a warp)."""
+    kind = ("dq" if "bwd_dq_kernel" in mangled else "bwd" if "bwd_kernel" in mangled
+            else "fwd-plain" if re.search(r"Li\d+ELb1E", mangled) else "fwd")
     dtype = ("bf16" if "nv_bfloat16" in mangled else "f16" if "__half" in mangled
              else "float" if "IfLi" in mangled else "double")
     return kind, dtype, int(re.search(r"Li(\d+)E", mangled).group(1))
@@ -146,6 +148,10 @@ def shared_and_threads(tmp):
                 '  printf("fwd %s %d %d %d\\n", n, D, 32 * C::kFwdWarps, C::kFwdSharedBytes);\n'
                 '  if (C::kFwdWideWarps != C::kFwdWarps)\n'
                 '    printf("fwd128 %s %d %d %d\\n", n, D, 32 * C::kFwdWideWarps, C::fwd_shared_bytes(C::kFwdWideWarps));\n'
+                '  if (C::kFwdRowTiles > 1) {\n'
+                '    printf("fwd-plain %s %d %d %d\\n", n, D, 32 * C::kFwdWarps / C::kFwdRowTiles, C::kFwdSharedBytes);\n'
+                '    printf("fwd-plain128 %s %d %d %d\\n", n, D, 32 * C::kFwdWideWarps / C::kFwdRowTiles,\n'
+                '           C::fwd_shared_bytes(C::kFwdWideWarps));\n  }\n'
                 '  printf("bwd %s %d %d %d\\n", n, D, 32 * C::kBwdWarps, C::kBwdSharedBytes);\n'
                 '  printf("dq %s %d %d %d\\n", n, D, 32 * C::kBwdWarps, C::kBwdSharedBytes);\n}\nint main() {\n')
         for t, n in (("f16", "f16"), ("bf16", "bf16"), ("float", "float"), ("double", "double")):
@@ -206,8 +212,8 @@ def main():
     for name in sorted(figs["sm_80"], key=lambda n: (describe(n)[0], describe(n)[1], describe(n)[2])):
         base = describe(name)
         # the forward also runs with 128-row tiles (16-bit types): the same kernel, more threads
-        wide = ("fwd128",) + base[1:]
-        for key in [base] + ([wide] if base[0] == "fwd" and wide in tiles else []):
+        wide = (base[0] + "128",) + base[1:]
+        for key in [base] + ([wide] if base[0].startswith("fwd") and wide in tiles else []):
             threads, smem = tiles[key]
             r80, s80 = figs["sm_80"][name]
             r90, s90 = figs["sm_90"][name]

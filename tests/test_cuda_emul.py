@@ -627,26 +627,32 @@ def test_emul_float32_setting_is_checked(backend, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 2, 1, 150, 97, 64, 48), (2, 2, 2, 130, 140, 128, 128), (1, 1, 1, 129, 70, 200, 256)])
 def test_emul_forward_rows_64_and_128_are_bit_identical(backend, dtype, shape, monkeypatch):
-    # MHA_EXT_CUDA_FWD_ROWS: 16-bit forward tiles of 64 query rows (4 warps,
-    # the tiles before) or 128 (8 warps; "auto" picks them at head dims 128
-    # and 256). A row's result does not depend on its block: the same bits
-    # (causal and a window add tiles fully masked for some rows of a wider
-    # block; dropout; GQA), and the reference holds them as everywhere else.
+    # MHA_EXT_CUDA_FWD_ROWS: 16-bit forward tiles of 64 query rows or 128
+    # ("auto" picks them at head dims 128 and 256, and for the plain kernel);
+    # MHA_EXT_CUDA_FWD_WARP_ROWS: the plain kernel's warps of 32 rows (calls
+    # without a mask tensor, dropout, softcap or ALiBi, head dims 64 and 128)
+    # or the general kernel's 16. A row's result depends on neither: the same
+    # bits (causal and a window add tiles fully masked for some rows of a
+    # wider block, which the plain kernel's row tiles skip; rows past L in a
+    # warp's second row tile; dropout, which takes the general kernel; GQA),
+    # and the reference holds them as everywhere else.
     q, k, v = make(shape, dtype)
     gqa = shape[1] != shape[2]
     rng = torch.tensor([1234567, 89], dtype=torch.long)
-    cases = [dict(is_causal=True), dict(window=(40, 3)), dict(dropout_p=0.2)]
+    cases = [dict(), dict(is_causal=True), dict(window=(40, 3)), dict(window=(7, 0)), dict(dropout_p=0.2)]
     for case in cases:
         win = case.get("window", (-1, -1))
         args = (q, k, v, None, case.get("dropout_p", 0.0), case.get("is_causal", False), None, gqa, rng,
                 win[0], win[1], True)
         results = {}
         for rows in ("64", "128", "auto"):
-            monkeypatch.setenv("MHA_EXT_CUDA_FWD_ROWS", rows)
-            results[rows] = backend.attention(*args)[:2]
-        for rows in ("128", "auto"):
-            for a, b in zip(results["64"], results[rows]):
-                assert torch.equal(a, b), (case, rows)
+            for warp_rows in ("16", "32"):
+                monkeypatch.setenv("MHA_EXT_CUDA_FWD_ROWS", rows)
+                monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", warp_rows)
+                results[rows, warp_rows] = backend.attention(*args)[:2]
+        for key, got in results.items():
+            for a, b in zip(results["64", "16"], got):
+                assert torch.equal(a, b), (case, key)
         cpu_out = torch.ops.mha_ext.attention(*args)[0]
         kw = dict(enable_gqa=gqa, bottom_right=True)
         if "dropout_p" in case:
@@ -655,13 +661,17 @@ def test_emul_forward_rows_64_and_128_are_bit_identical(backend, dtype, shape, m
             kw.update(is_causal=True)
         if "window" in case:
             kw.update(window=win)
-        assert_all_like_cpu(results["128"][0], cpu_out, references(q, k, v, **kw), dtype)
+        assert_all_like_cpu(results["auto", "32"][0], cpu_out, references(q, k, v, **kw), dtype)
 
 
 def test_emul_forward_rows_setting_is_checked(backend, monkeypatch):
     q, k, v = make((1, 1, 1, 8, 8, 16, 16), torch.float16)
     monkeypatch.setenv("MHA_EXT_CUDA_FWD_ROWS", "256")
     with pytest.raises((RuntimeError, ValueError), match='MHA_EXT_CUDA_FWD_ROWS must be "auto", "64" or "128", got "256"'):
+        backend.attention(q, k, v, None, 0.0, False, None, False)
+    monkeypatch.setenv("MHA_EXT_CUDA_FWD_ROWS", "auto")
+    monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", "64")
+    with pytest.raises((RuntimeError, ValueError), match='MHA_EXT_CUDA_FWD_WARP_ROWS must be "auto", "16" or "32", got "64"'):
         backend.attention(q, k, v, None, 0.0, False, None, False)
 
 
@@ -723,7 +733,8 @@ def test_emul_key_splits_auto_fills_the_gpu(backend, monkeypatch):
     # not split.
     if isinstance(backend, OnCuda):
         pytest.skip("reads the emulation's launch log")
-    monkeypatch.delenv("MHA_EXT_CUDA_KV_SPLITS", raising=False)
+    for name in ("MHA_EXT_CUDA_KV_SPLITS", "MHA_EXT_CUDA_FWD_ROWS", "MHA_EXT_CUDA_FWD_WARP_ROWS"):
+        monkeypatch.delenv(name, raising=False)
     q, k, v = make((2, 4, 4, 1, 2048, 64, 64), torch.float16)
     backend.launched_grids()
     out = backend.attention(q, k, v, None, 0.0, False, None, False)[0]
@@ -733,7 +744,10 @@ def test_emul_key_splits_auto_fills_the_gpu(backend, monkeypatch):
                     R.attention(q, k, v), R.attention(q, k, v, compute_dtype=torch.float16), torch.float16)
     q, k, v = make((1, 1, 1, 300, 300, 64, 64), torch.float16)
     backend.attention(q, k, v, None, 0.0, False, None, False)
-    assert backend.launched_grids() == [5, 1, 1]  # 64-row blocks, 5 key tiles, one launch
+    assert backend.launched_grids() == [3, 1, 1]  # the plain kernel's 128-row blocks, 5 key tiles, one launch
+    monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", "16")
+    backend.attention(q, k, v, None, 0.0, False, None, False)
+    assert backend.launched_grids() == [5, 1, 1]  # the general kernel's 64-row blocks at head dim 64
 
 
 def test_emul_key_splits_setting_is_checked(backend, monkeypatch):

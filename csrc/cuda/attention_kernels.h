@@ -36,14 +36,18 @@ namespace mha_ext::device {
 
 using namespace mha_ext::simt;
 
-// Tile shapes per element type and padded head dim: 16 rows per warp. The
-// shared-memory bytes of each are listed in launch.h next to the launch;
-// registers, spills and warps per SM of every configuration are in the
-// README ("CUDA"), from scripts/kernel_report.py.
+// Tile shapes per element type and padded head dim. The shared-memory bytes
+// of each are listed in launch.h next to the launch; registers, spills and
+// warps per SM of every configuration are in the README ("CUDA"), from
+// scripts/kernel_report.py.
 template <typename T, int kHeadDim>
 struct TileConfig {
   static constexpr int kElem = static_cast<int>(sizeof(T));
-  // forward: query rows per block (16 per warp) and key rows per tile
+  // forward: query rows per block in 16-row slices, and key rows per tile.
+  // A warp takes 16 rows, or in the plain forward kernel (16-bit types up
+  // to head dim 128) kFwdRowTiles x 16 = 32: two row tiles that share every
+  // K and V fragment it loads, so each ldmatrix of K or V feeds twice the mma.
+  static constexpr int kFwdRowTiles = kElem == 2 && kHeadDim <= 128 ? 2 : 1;
   static constexpr int kFwdWarps = kElem == 2 ? 4 : (kElem == 4 ? (kHeadDim <= 64 ? 4 : 2) : (kHeadDim <= 64 ? 2 : 1));
   static constexpr int kFwdBlockN =
       kElem == 2 ? (kHeadDim <= 128 ? 64 : 32) : (kElem == 4 ? (kHeadDim <= 128 ? 32 : 16) : 16);
@@ -57,8 +61,9 @@ struct TileConfig {
                                                    : (kHeadDim <= 64 ? 2 : kHeadDim <= 128 ? 4 : 8);
   static constexpr int kBwdWarps = kBwdRowWarps * kBwdColSplit;
   static constexpr int kFwdBlockM = 16 * kFwdWarps;
-  // forward tiles of 128 query rows (8 warps) for 16-bit types, where the
-  // launch picks them (launch.h): K/V tiles shared by twice the rows
+  // forward tiles of 128 query rows (8 slices: 8 warps, or 4 of 32 rows) for
+  // 16-bit types, where the launch picks them (launch.h): K/V tiles shared
+  // by twice the rows
   static constexpr int kFwdWideWarps = kElem == 2 ? 8 : kFwdWarps;
   static constexpr int kBwdBlock = 16 * kBwdRowWarps;
   // row padding of the shared tiles: 16 bytes, so rows start in other banks
@@ -72,10 +77,11 @@ struct TileConfig {
   static constexpr bool kFwdPInRegisters = kElem == 2;
   static constexpr int kFwdPBytes = kFwdPInRegisters ? 0 : kElem * kFwdBlockM * (kFwdBlockN + kPad);
   static constexpr int kFwdKVStages = kElem * (kFwdBlockM + 4 * kFwdBlockN) * kLd + kFwdPBytes <= 99 * 1024 ? 2 : 1;
-  // the forward's shared bytes with `warps` warps (Q, the K/V stages, P)
-  static constexpr int fwd_shared_bytes(int warps) {
-    return kElem * (16 * warps + 2 * kFwdKVStages * kFwdBlockN) * kLd +
-           (kFwdPInRegisters ? 0 : kElem * 16 * warps * (kFwdBlockN + kPad));
+  // the forward's shared bytes for `slices` 16-row slices of query rows (Q,
+  // the K/V stages, P)
+  static constexpr int fwd_shared_bytes(int slices) {
+    return kElem * (16 * slices + 2 * kFwdKVStages * kFwdBlockN) * kLd +
+           (kFwdPInRegisters ? 0 : kElem * 16 * slices * (kFwdBlockN + kPad));
   }
   static constexpr int kFwdSharedBytes = fwd_shared_bytes(kFwdWarps);
   // backward: the streamed tiles (Q and dO with their rows' shift, log_norm
@@ -192,45 +198,64 @@ MHA_UNROLL
   }
 }
 
+// 16-bit types on the tensor cores: acc[rt] += A_rt B for the row tiles rt
+// with live[rt], A_rt the 16 rows of A from row 16 rt (the warp's row
+// tiles), each B fragment loaded once for all of them.
+template <typename T, int kRT, int NT>
+MHA_DEVICE void warp_mma16(float (&acc)[kRT][NT][4], Tile2<T> a, Tile2<T> b, int K, int lane, bool scalar,
+                           const bool (&live)[kRT]) {
+  static_assert(NT % 2 == 0, "B fragments come by ldmatrix x4, two n-tiles at a time");
+  scalar = kScalarOperandsBuilt && scalar;
+  const int r8 = lane % 8, m_lo = (lane / 8) % 2, m_hi = lane / 16;
+  // not unrolled over k: unrolled, nvcc hoists the fragments of every k
+  // step and the f16 backward at head dim 64 spilled (255 registers)
+MHA_NO_UNROLL
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    uint32_t af[kRT][4];  // matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
+MHA_UNROLL
+    for (int rt = 0; rt < kRT; ++rt) {
+      if (!live[rt]) continue;
+      const Tile2<T> at{a.p + 16 * rt * a.rs, a.rs, a.cs};
+      if (scalar) {
+        a_frag_scalar(af[rt], at, k0, lane);
+      } else if (a.cs == 1) {
+        ldmatrix_x4(af[rt], at.p + (r8 + 8 * m_lo) * a.rs + k0 + 8 * m_hi);
+      } else {
+        ldmatrix_x4_trans(af[rt], at.p + (k0 + 8 * m_hi + r8) * a.cs + 8 * m_lo);
+      }
+    }
+MHA_UNROLL
+    for (int nt = 0; nt < NT; nt += 2) {
+      uint32_t bf[4];  // matrices: (n-tile nt, k 0-7), (nt, k 8-15), (nt + 1, k 0-7), (nt + 1, k 8-15)
+      if (scalar) {
+        uint32_t s0[2], s1[2];
+        b_frag_scalar(s0, b, k0, nt, lane);
+        b_frag_scalar(s1, b, k0, nt + 1, lane);
+        bf[0] = s0[0], bf[1] = s0[1], bf[2] = s1[0], bf[3] = s1[1];
+      } else if (b.rs == 1) {
+        ldmatrix_x4(bf, b.p + (8 * nt + 8 * m_hi + r8) * b.cs + k0 + 8 * m_lo);
+      } else {
+        ldmatrix_x4_trans(bf, b.p + (k0 + 8 * m_lo + r8) * b.rs + 8 * (nt + m_hi));
+      }
+      const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+MHA_UNROLL
+      for (int rt = 0; rt < kRT; ++rt) {
+        if (!live[rt]) continue;
+        mma_m16n8k16<T>(acc[rt][nt], af[rt], b0);
+        mma_m16n8k16<T>(acc[rt][nt + 1], af[rt], b1);
+      }
+    }
+  }
+}
+
 template <typename T, int NT, typename A>
 MHA_DEVICE void warp_mma(A (&acc)[NT][4], Tile2<T> a, Tile2<T> b, int K, int lane, bool scalar, Fp32Math fp32) {
   if constexpr (std::is_same_v<T, float>) {
     if (fp32 != Fp32Math::kCudaCores) return warp_mma_tf32(acc, a, b, K, lane, scalar, fp32);
   }
   if constexpr (sizeof(T) == 2) {
-    static_assert(NT % 2 == 0, "B fragments come by ldmatrix x4, two n-tiles at a time");
-    scalar = kScalarOperandsBuilt && scalar;
-    const int r8 = lane % 8, m_lo = (lane / 8) % 2, m_hi = lane / 16;
-    // not unrolled over k: unrolled, nvcc hoists the fragments of every k
-    // step and the f16 backward at head dim 64 spilled (255 registers)
-MHA_NO_UNROLL
-    for (int k0 = 0; k0 < K; k0 += 16) {
-      uint32_t af[4];  // matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
-      if (scalar) {
-        a_frag_scalar(af, a, k0, lane);
-      } else if (a.cs == 1) {
-        ldmatrix_x4(af, a.p + (r8 + 8 * m_lo) * a.rs + k0 + 8 * m_hi);
-      } else {
-        ldmatrix_x4_trans(af, a.p + (k0 + 8 * m_hi + r8) * a.cs + 8 * m_lo);
-      }
-MHA_UNROLL
-      for (int nt = 0; nt < NT; nt += 2) {
-        uint32_t bf[4];  // matrices: (n-tile nt, k 0-7), (nt, k 8-15), (nt + 1, k 0-7), (nt + 1, k 8-15)
-        if (scalar) {
-          uint32_t s0[2], s1[2];
-          b_frag_scalar(s0, b, k0, nt, lane);
-          b_frag_scalar(s1, b, k0, nt + 1, lane);
-          bf[0] = s0[0], bf[1] = s0[1], bf[2] = s1[0], bf[3] = s1[1];
-        } else if (b.rs == 1) {
-          ldmatrix_x4(bf, b.p + (8 * nt + 8 * m_hi + r8) * b.cs + k0 + 8 * m_lo);
-        } else {
-          ldmatrix_x4_trans(bf, b.p + (k0 + 8 * m_lo + r8) * b.rs + 8 * (nt + m_hi));
-        }
-        const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
-        mma_m16n8k16<T>(acc[nt], af, b0);
-        mma_m16n8k16<T>(acc[nt + 1], af, b1);
-      }
-    }
+    const bool live[1] = {true};
+    warp_mma16<T, 1, NT>(reinterpret_cast<float(&)[1][NT][4]>(acc), a, b, K, lane, scalar, live);
   } else {
     // CUDA cores: rank-1 updates over k, the accumulators in the C layout
     // (each element still sums k = 0 .. K - 1 in order).
@@ -340,6 +365,11 @@ MHA_UNROLL
 template <typename T>
 MHA_DEVICE const T* as(const void* p) { return static_cast<const T*>(p); }
 
+// Whether row i may see key j (causal alignment and window).
+MHA_DEVICE bool in_band(const AttentionFwdParams& p, int64_t i, int64_t j) {
+  return j >= p.variant.begin(i) && j < p.variant.end(i, p.len_kv);
+}
+
 // The one score transform of the CUDA kernels (AttentionVariant): the score
 // of query row i and key column j of head (b, h) from the raw dot product s:
 // scaled, softcapped, ALiBi, the mask, and -inf where the row may not see
@@ -361,8 +391,7 @@ MHA_DEVICE A masked_score(const AttentionFwdParams& p, int64_t b, int64_t h, int
       x += static_cast<A>(to_float(as<T>(p.mask)[off]));
     }
   }
-  if (j < w.begin(i) || j >= w.end(i, p.len_kv)) x = -INFINITY;
-  return x;
+  return in_band(p, i, j) ? x : A(-INFINITY);
 }
 
 // Whether every score of rows [i_lo, i_hi] and keys [j_lo, j_hi] is the
@@ -596,23 +625,35 @@ MHA_DEVICE void stream_tiles(int64_t first, int64_t end, int64_t step, Issue&& i
 }
 
 // ---------------------------------------------------------------------------
-// Forward. Shared: Q (kBlockM x kLd), kFwdKVStages x (K and V (kBlockN x
-// kLd)), and for float / double P (kBlockM x kLdP). 16-bit types: the Q, K
-// and V operands come from shared memory by ldmatrix (V transposed), and P
-// stays in registers: the C fragments of S = Q K^T, exponentiated, are the A
-// fragments of O += P V. float on the tensor cores (TF32 / 3xTF32): Q and K
-// by ldmatrix, at head dim 64 P in registers as well (pv_tf32), V by plain
-// loads.
-template <typename T, int kHeadDim>
+// Forward. Shared: Q (kM x kLd), kFwdKVStages x (K and V (kBlockN x kLd)),
+// and for float / double P (kM x kLdP). 16-bit types: the Q, K and V
+// operands come from shared memory by ldmatrix (V transposed), P stays in
+// registers (the C fragments of S = Q K^T, exponentiated, are the A
+// fragments of O += P V), and a warp may take two row tiles of 16 rows
+// (kPlain below), which share each K and V fragment it loads. float on the
+// tensor cores (TF32 / 3xTF32): Q and K by ldmatrix, at head dim 64 P in
+// registers as well (pv_tf32), V by plain loads.
+//
+// kPlain: the kernel of calls without a mask tensor, dropout, softcap or
+// ALiBi (plain_call below; causal alignment, windows, key splits, varlen and
+// KV caches stay), 16-bit types up to head dim 128, where the launch picks
+// it. Its warps take 32 rows (TileConfig::kFwdRowTiles): the registers the
+// general kernel spends on the mask, the score variants and the dropout
+// draws (ptxas: about 186 to run the general one at head dim 128 without
+// spills, 143 without those) hold the second row tile's O and S instead.
+template <typename T, int kHeadDim, bool kPlain>
 MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   using A = typename AccOf<T>::type;
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kN = Cfg::kFwdBlockN, kLd = Cfg::kLd, kLdP = kN + Cfg::kPad;
-  // query rows of the block: 16 per warp (the launch picks kFwdWarps or kFwdWideWarps)
-  const int kM = 16 * static_cast<int>(block_dim().x / kWarpSize);
+  // a warp's row tiles of 16 rows
+  constexpr int kRT = kPlain ? Cfg::kFwdRowTiles : 1;
+  static_assert(!kPlain || kRT == 2, "the plain kernel is built where warps take 32 rows");
   constexpr int kNT = kN / 8, kOT = kHeadDim / 8, kStages = Cfg::kFwdKVStages;
   constexpr bool kPInRegisters = Cfg::kFwdPInRegisters;
   using Units = SoftmaxUnits<A>;
+  // the block's query rows
+  const int kM = 16 * kRT * static_cast<int>(block_dim().x / kWarpSize);
   T* q_s = dynamic_shared<T>();
   T* kv_s = q_s + kM * kLd;  // stage st: K at kv_s + 2 st kN kLd, V after it
   T* p_s = kv_s + 2 * kStages * kN * kLd;
@@ -637,13 +678,21 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   // 64 (at 128 and 256 the unrolled P V spilled: 16 and 52 bytes on sm_80);
   // otherwise, and on the CUDA cores (and double), P goes through p_s
   const bool p_in_registers = std::is_same_v<T, float> && kHeadDim <= 64 && p.fp32_math != Fp32Math::kCudaCores;
+  // the warp's first query row (row tile rt: 16 rows from iw_base + 16 rt)
+  // and its Q rows in shared memory
+  const int64_t iw_base = i0 + static_cast<int64_t>(warp) * 16 * kRT;
+  const T* q_w = q_s + warp * 16 * kRT * kLd;
 
   load_tile(q_s, kLd, kM, kHeadDim, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row,
             p.q_stride.col, i0, L, p.head_dim);
 
-  A o[kOT][4];
-  zero(o);
-  A m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {A(0), A(0)};
+  A o[kRT][kOT][4], m_run[kRT][2], l_run[kRT][2];
+MHA_UNROLL
+  for (int rt = 0; rt < kRT; ++rt) {
+    zero(o[rt]);
+    m_run[rt][0] = m_run[rt][1] = A(-INFINITY);
+    l_run[rt][0] = l_run[rt][1] = A(0);
+  }
   // the key tiles some row of the block may see (causal alignment, window)
   const int64_t vis_end = p.variant.end((i0 + kM < L ? i0 + kM : L) - 1, S);
   const int64_t vis_first = p.variant.begin(i0) / kN * kN;
@@ -654,128 +703,192 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   const int64_t kv_end = p.kv_splits > 1 ? (j_first + run < vis_end ? j_first + run : vis_end) : vis_end;
   // Issues the loads of the tile at key j into stage st, as one cp.async
   // group; its rows from kv_offset of its first (a tile of a paged KV cache
-  // lies in one block).
+  // lies in one block; the plain kernel takes no paged caches: their block
+  // lookups cost it registers it has not got).
+  const T* k_head = as<T>(p.k) + (kPlain ? b * p.k_stride.b + hk * p.k_stride.h : 0);
+  const T* v_head = as<T>(p.v) + (kPlain ? b * p.v_stride.b + hk * p.v_stride.h : 0);
   auto issue = [&](int64_t j, int st) {
     T* k_dst = kv_s + 2 * st * kN * kLd;
-    load_tile_async(k_dst, kLd, kN, kHeadDim, as<T>(p.k) + p.kv_offset(p.k_stride, b, hk, j), p.k_stride.row,
-                    p.k_stride.col, S - j, p.head_dim);
-    load_tile_async(k_dst + kN * kLd, kLd, kN, kHeadDim, as<T>(p.v) + p.kv_offset(p.v_stride, b, hk, j),
-                    p.v_stride.row, p.v_stride.col, S - j, p.head_dim_v);
+    const int64_t k_off = kPlain ? j * p.k_stride.row : p.kv_offset(p.k_stride, b, hk, j);
+    const int64_t v_off = kPlain ? j * p.v_stride.row : p.kv_offset(p.v_stride, b, hk, j);
+    load_tile_async(k_dst, kLd, kN, kHeadDim, k_head + k_off, p.k_stride.row, p.k_stride.col, S - j, p.head_dim);
+    load_tile_async(k_dst + kN * kLd, kLd, kN, kHeadDim, v_head + v_off, p.v_stride.row, p.v_stride.col, S - j,
+                    p.head_dim_v);
     cp_async_commit();
   };
   stream_tiles<kStages>(j_first, kv_end, kN, issue, [&](int64_t j0, int stage) {
     const T* k_s = kv_s + 2 * stage * kN * kLd;
     const T* v_s = k_s + kN * kLd;
 
-    A s[kNT][4];
-    zero(s);
-    // S = Q K^T (16-bit operands by ldmatrix: Q rows as A, K rows as B)
-    warp_mma<T>(s, Tile2<T>{q_s + warp * 16 * kLd, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane, p.scalar_operands, p.fp32_math);
+    // The plain kernel's row tiles that hold rows below L and see some key
+    // of this tile (the causal / window band: begin and end grow with the
+    // row); the others skip it, as a tile of -inf scores would leave them.
+    // (The general kernel's one row tile takes every tile: skipping cost it
+    // registers.)
+    bool live[kRT];
+    if constexpr (kPlain) {
+      bool any = false;
+MHA_UNROLL
+      for (int rt = 0; rt < kRT; ++rt) {
+        const int64_t r0 = iw_base + 16 * rt, r1 = r0 + 15 < L ? r0 + 15 : L - 1;
+        live[rt] = r0 < L && j0 < p.variant.end(r1, S) && j0 + kN > p.variant.begin(r0);
+        any = any || live[rt];
+      }
+      if (!any) return;
+    } else {
+      live[0] = true;
+    }
 
-    // Scores in the softmax's units. Edge and diagonal tiles go through
-    // masked_score per element; an interior tile (interior_tile: every row of
-    // the warp sees it whole) is only scaled, or where plain_scores allows,
-    // not even that: the row max is taken on the dot products.
-    A tile_max[2] = {-INFINITY, -INFINITY};
-    // (rows past L count as inside: their Q rows are zero and their output
-    // is never written, so a decode step's one row, or a GQA group packed
-    // into fewer than 16 rows, still takes the interior path)
-    const int64_t iw0 = i0 + warp * 16;
-    const bool interior = interior_tile(p, iw0, iw0 + 15 < L ? iw0 + 15 : L - 1, j0, j0 + kN - 1);
-    const bool fast = plain_scores<T>(s, interior, scale);
-    if constexpr (std::is_same_v<A, float>) {
-      if (fast) {
+    A s[kRT][kNT][4];
+MHA_UNROLL
+    for (int rt = 0; rt < kRT; ++rt) zero(s[rt]);
+    // S = Q K^T (16-bit operands by ldmatrix: Q rows as A, K rows as B)
+    if constexpr (sizeof(T) == 2) {
+      warp_mma16<T, kRT, kNT>(s, Tile2<T>{q_w, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane, p.scalar_operands,
+                              live);
+    } else {
+      warp_mma<T>(s[0], Tile2<T>{q_w, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane, p.scalar_operands,
+                  p.fp32_math);
+    }
+
+MHA_UNROLL
+    for (int rt = 0; rt < kRT; ++rt) {
+      if (!live[rt]) continue;
+      A(&sr)[kNT][4] = s[rt];
+      A(&m_r)[2] = m_run[rt];
+      const int64_t iw0 = iw_base + 16 * rt;
+      // Scores in the softmax's units. Edge and diagonal tiles go through
+      // masked_score per element; an interior tile (interior_tile: every row
+      // of the row tile sees it whole) is only scaled, or where plain_scores
+      // allows, not even that: the row max is taken on the dot products.
+      A tile_max[2] = {-INFINITY, -INFINITY};
+      // (rows past L count as inside: their Q rows are zero and their output
+      // is never written, so a decode step's one row, or a GQA group packed
+      // into fewer than 16 rows, still takes the interior path)
+      const bool interior = interior_tile(p, iw0, iw0 + 15 < L ? iw0 + 15 : L - 1, j0, j0 + kN - 1);
+      const bool fast = plain_scores<T>(sr, interior, scale);
+      if constexpr (std::is_same_v<A, float>) {
+        if (fast) {
+MHA_UNROLL
+          for (int t = 0; t < kNT; ++t)
+MHA_UNROLL
+            for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], sr[t][e]);
+          // scale > 0 and rounding is monotonic: the scaled max is the max scaled
+          tile_max[0] = Units::scaled(tile_max[0], scale);
+          tile_max[1] = Units::scaled(tile_max[1], scale);
+        }
+      }
+      if (!fast && interior && !kPlain) {
 MHA_UNROLL
         for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
-          for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[t][e]);
-        // scale > 0 and rounding is monotonic: the scaled max is the max scaled
-        tile_max[0] = Units::scaled(tile_max[0], scale);
-        tile_max[1] = Units::scaled(tile_max[1], scale);
-      }
-    }
-    if (!fast && interior) {
+          for (int e = 0; e < 4; ++e) {
+            sr[t][e] = Units::from_nats(sr[t][e] * scale);
+            tile_max[e / 2] = nan_max(tile_max[e / 2], sr[t][e]);
+          }
+      } else if (!fast && kPlain) {
+        // the plain kernel's calls have no score transform but the band: the
+        // columns [lo, hi) of this tile that each of the lane's two rows sees
+        // (none past L; the band ends at S), compared in 32 bits (interior
+        // tiles too: all of it)
+        int lo[2], hi[2];
 MHA_UNROLL
-      for (int t = 0; t < kNT; ++t)
-MHA_UNROLL
-        for (int e = 0; e < 4; ++e) {
-          s[t][e] = Units::from_nats(s[t][e] * scale);
-          tile_max[e / 2] = nan_max(tile_max[e / 2], s[t][e]);
+        for (int r = 0; r < 2; ++r) {
+          const int64_t i = iw0 + MmaLayout::c_row(lane, 2 * r);
+          const int64_t jb = p.variant.begin(i) - j0, je = p.variant.end(i, S) - j0;
+          lo[r] = i < L ? static_cast<int>(jb < 0 ? 0 : jb > kN ? kN : jb) : kN;
+          hi[r] = i < L ? static_cast<int>(je < 0 ? 0 : je > kN ? kN : je) : 0;
         }
-    } else if (!fast) {
 MHA_UNROLL
-      for (int t = 0; t < kNT; ++t)
+        for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
-        for (int e = 0; e < 4; ++e) {
-          const int64_t i = iw0 + MmaLayout::c_row(lane, e);
-          const int64_t j = j0 + 8 * t + MmaLayout::c_col(lane, e);
-          s[t][e] = (i < L && j < S) ? Units::from_nats(masked_score<T>(p, b, h, i, j, s[t][e])) : A(-INFINITY);
-          tile_max[e / 2] = nan_max(tile_max[e / 2], s[t][e]);
-        }
-    }
-    A alpha[2];
+          for (int e = 0; e < 4; ++e) {
+            const int c = 8 * t + MmaLayout::c_col(lane, e);
+            sr[t][e] = c >= lo[e / 2] && c < hi[e / 2] ? Units::from_nats(sr[t][e] * scale) : A(-INFINITY);
+            tile_max[e / 2] = nan_max(tile_max[e / 2], sr[t][e]);
+          }
+      } else if (!fast) {
 MHA_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      const A new_max = nan_max(m_run[r], row_max4(tile_max[r]));
-      // alpha rescales what was accumulated under the old max (nothing yet if it was -inf)
-      alpha[r] = m_run[r] == A(-INFINITY) ? A(0) : Units::exp(m_run[r] - new_max);
-      m_run[r] = new_max;
-    }
-    A part[2] = {A(0), A(0)};
-    const uint32_t keep = dropout_tile_bits<kNT, false>(p, key, b, h, iw0 + MmaLayout::c_row(lane, 0), j0, lane);
-    // the probabilities of keys 8 t + c_col(lane, e) and the next, rows r = e / 2
-    auto take = [&](int t, int e, A p0, A p1) {
-      const int r = e / 2;
-      part[r] += p0 + p1;
-      if (p.dropout.enabled()) {
-        p0 = (keep >> (4 * t + e)) & 1u ? p0 * rescale : A(0);
-        p1 = (keep >> (4 * t + e + 1)) & 1u ? p1 * rescale : A(0);
+        for (int t = 0; t < kNT; ++t)
+MHA_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            const int64_t i = iw0 + MmaLayout::c_row(lane, e);
+            const int64_t j = j0 + 8 * t + MmaLayout::c_col(lane, e);
+            sr[t][e] = (i < L && j < S) ? Units::from_nats(masked_score<T>(p, b, h, i, j, sr[t][e])) : A(-INFINITY);
+            tile_max[e / 2] = nan_max(tile_max[e / 2], sr[t][e]);
+          }
       }
-      if (kPInRegisters || p_in_registers) {
-        s[t][e] = p0;
-        s[t][e + 1] = p1;
+      A alpha[2];
+MHA_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        const A new_max = nan_max(m_r[r], row_max4(tile_max[r]));
+        // alpha rescales what was accumulated under the old max (nothing yet if it was -inf)
+        alpha[r] = m_r[r] == A(-INFINITY) ? A(0) : Units::exp(m_r[r] - new_max);
+        m_r[r] = new_max;
+      }
+      A part[2] = {A(0), A(0)};
+      const uint32_t keep = kPlain ? 0u : dropout_tile_bits<kNT, false>(p, key, b, h, iw0 + MmaLayout::c_row(lane, 0), j0, lane);
+      // the probabilities of keys 8 t + c_col(lane, e) and the next, rows r = e / 2
+      auto take = [&](int t, int e, A p0, A p1) {
+        const int r = e / 2;
+        part[r] += p0 + p1;
+        if (!kPlain && p.dropout.enabled()) {
+          p0 = (keep >> (4 * t + e)) & 1u ? p0 * rescale : A(0);
+          p1 = (keep >> (4 * t + e + 1)) & 1u ? p1 * rescale : A(0);
+        }
+        if (kPInRegisters || p_in_registers) {
+          sr[t][e] = p0;
+          sr[t][e + 1] = p1;
+        } else {
+          T* dst = p_s + (iw0 - i0 + MmaLayout::c_row(lane, e)) * kLdP + 8 * t + MmaLayout::c_col(lane, e);
+          dst[0] = to_elem<T>(p0);
+          dst[1] = to_elem<T>(p1);
+        }
+      };
+      if (fast) {  // m_r is finite here (or NaN from an earlier tile, which the row keeps)
+        if constexpr (sizeof(T) == 2) {
+          // the scaled score rounded before the subtraction (no FMA): the row's
+          // max key then gets exactly 2^0, whatever the magnitude of its score
+MHA_UNROLL
+          for (int t = 0; t < kNT; ++t)
+MHA_UNROLL
+            for (int e = 0; e < 4; e += 2) {
+              const A m = m_r[e / 2];
+              take(t, e, softmax_exp2<T>(Units::scaled(sr[t][e], scale) - m),
+                   softmax_exp2<T>(Units::scaled(sr[t][e + 1], scale) - m));
+            }
+        }
       } else {
-        T* dst = p_s + (warp * 16 + MmaLayout::c_row(lane, e)) * kLdP + 8 * t + MmaLayout::c_col(lane, e);
-        dst[0] = to_elem<T>(p0);
-        dst[1] = to_elem<T>(p1);
-      }
-    };
-    if (fast) {  // m_run is finite here (or NaN from an earlier tile, which the row keeps)
-      if constexpr (sizeof(T) == 2) {
-        // the scaled score rounded before the subtraction (no FMA): the row's
-        // max key then gets exactly 2^0, whatever the magnitude of its score
 MHA_UNROLL
         for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
           for (int e = 0; e < 4; e += 2) {
-            const A m = m_run[e / 2];
-            take(t, e, softmax_exp2<T>(Units::scaled(s[t][e], scale) - m),
-                 softmax_exp2<T>(Units::scaled(s[t][e + 1], scale) - m));
+            const int r = e / 2;
+            take(t, e, m_r[r] == A(-INFINITY) ? A(0) : Units::exp(sr[t][e] - m_r[r]),
+                 m_r[r] == A(-INFINITY) ? A(0) : Units::exp(sr[t][e + 1] - m_r[r]));
           }
       }
-    } else {
 MHA_UNROLL
-      for (int t = 0; t < kNT; ++t)
+      for (int r = 0; r < 2; ++r) l_run[rt][r] = l_run[rt][r] * alpha[r] + part[r];
 MHA_UNROLL
-        for (int e = 0; e < 4; e += 2) {
-          const int r = e / 2;
-          take(t, e, m_run[r] == A(-INFINITY) ? A(0) : Units::exp(s[t][e] - m_run[r]),
-               m_run[r] == A(-INFINITY) ? A(0) : Units::exp(s[t][e + 1] - m_run[r]));
-        }
+      for (int t = 0; t < kOT; ++t)
+MHA_UNROLL
+        for (int e = 0; e < 4; ++e) o[rt][t][e] *= alpha[e / 2];
     }
-MHA_UNROLL
-    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + part[r];
-MHA_UNROLL
-    for (int t = 0; t < kOT; ++t)
-MHA_UNROLL
-      for (int e = 0; e < 4; ++e) o[t][e] *= alpha[e / 2];
+
     if constexpr (kPInRegisters) {  // O += P V: P's A fragments from the C fragments of 16 keys, V by ldmatrix.trans
 MHA_UNROLL
       for (int kk = 0; kk < kN / 16; ++kk) {
-        const uint32_t pa[4] = {pack2(to_elem<T>(s[2 * kk][0]), to_elem<T>(s[2 * kk][1])),
-                                pack2(to_elem<T>(s[2 * kk][2]), to_elem<T>(s[2 * kk][3])),
-                                pack2(to_elem<T>(s[2 * kk + 1][0]), to_elem<T>(s[2 * kk + 1][1])),
-                                pack2(to_elem<T>(s[2 * kk + 1][2]), to_elem<T>(s[2 * kk + 1][3]))};
+        uint32_t pa[kRT][4];
+MHA_UNROLL
+        for (int rt = 0; rt < kRT; ++rt) {
+          const A(&c0)[4] = s[rt][2 * kk];
+          const A(&c1)[4] = s[rt][2 * kk + 1];
+          pa[rt][0] = pack2(to_elem<T>(c0[0]), to_elem<T>(c0[1]));
+          pa[rt][1] = pack2(to_elem<T>(c0[2]), to_elem<T>(c0[3]));
+          pa[rt][2] = pack2(to_elem<T>(c1[0]), to_elem<T>(c1[1]));
+          pa[rt][3] = pack2(to_elem<T>(c1[2]), to_elem<T>(c1[3]));
+        }
 MHA_UNROLL
         for (int ot = 0; ot < kOT; ot += 2) {
           uint32_t vf[4];
@@ -788,52 +901,64 @@ MHA_UNROLL
             ldmatrix_x4_trans(vf, v_s + (16 * kk + 8 * ((lane / 8) % 2) + lane % 8) * kLd + 8 * (ot + lane / 16));
           }
           const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-          mma_m16n8k16<T>(o[ot], pa, b0);
-          mma_m16n8k16<T>(o[ot + 1], pa, b1);
+MHA_UNROLL
+          for (int rt = 0; rt < kRT; ++rt) {
+            if (!live[rt]) continue;
+            mma_m16n8k16<T>(o[rt][ot], pa[rt], b0);
+            mma_m16n8k16<T>(o[rt][ot + 1], pa[rt], b1);
+          }
         }
       }
-    } else if (p_in_registers) {
-      if constexpr (std::is_same_v<T, float>) pv_tf32(o, s, v_s, kLd, lane, p.fp32_math == Fp32Math::kTf32x3);
+    } else if (p_in_registers) {  // (one row tile from here on)
+      if constexpr (std::is_same_v<T, float>) pv_tf32(o[0], s[0], v_s, kLd, lane, p.fp32_math == Fp32Math::kTf32x3);
     } else {
       sync_warp();  // the warp's P rows are written
-      warp_mma<T>(o, Tile2<T>{p_s + warp * 16 * kLdP, kLdP, 1}, Tile2<T>{v_s, kLd, 1}, kN, lane, p.scalar_operands, p.fp32_math);
+      warp_mma<T>(o[0], Tile2<T>{p_s + (iw_base - i0) * kLdP, kLdP, 1}, Tile2<T>{v_s, kLd, 1}, kN, lane,
+                  p.scalar_operands, p.fp32_math);
     }
   });
 
-  A l[2], inv[2];
 MHA_UNROLL
-  for (int r = 0; r < 2; ++r) {
-    l[r] = row_sum4(l_run[r]);
-    inv[r] = l[r] > A(0) ? A(1) / l[r] : A(0);  // 0 for a fully masked row (l = 0)
-  }
-  if (p.kv_splits > 1) {  // this split's rows for the combine kernel (dense rows: i indexes L)
-    const int64_t rows = p.kv_splits * p.batch * p.heads_q * L, row0 = (split * p.batch * p.heads_q + bh) * L;
-    A* po = static_cast<A*>(p.part_out) + row0 * p.head_dim_v;
-    A* pm = static_cast<A*>(p.part_ml) + row0;
-    for_each_output(o, inv, i0 + warp * 16, L, p.head_dim_v, lane,
-                    [&](int64_t i, int c, A x) { po[i * p.head_dim_v + c] = x; });
-    if (lane % 4 == 0)
-MHA_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, 2 * r);
-        if (i < L) {
-          pm[i] = m_run[r];
-          pm[rows + i] = l[r];
-        }
-      }
-    return;
-  }
-  T* out = static_cast<T*>(p.out) + b * p.out_stride.b + h * p.out_stride.h;
-  for_each_output(o, inv, i0 + warp * 16, L, p.head_dim_v, lane, [&](int64_t i, int c, A x) {
-    out[i * p.out_stride.row + c * p.out_stride.col] = to_elem<T>(x);
-  });
-  if (lane % 4 == 0) {
-    A* lse = static_cast<A*>(p.lse) + p.lse_index(b, h, 0);
+  for (int rt = 0; rt < kRT; ++rt) {
+    const int64_t row0 = iw_base + 16 * rt;
+    A l[2], inv[2];
 MHA_UNROLL
     for (int r = 0; r < 2; ++r) {
-      const int64_t i = i0 + warp * 16 + MmaLayout::c_row(lane, 2 * r);
-      // natural log; -inf for a fully masked row; NaN stays NaN
-      if (i < L) lse[i] = l[r] > A(0) ? (m_run[r] + Units::log(l[r])) / Units::kPerNat : (l[r] == l[r] ? A(-INFINITY) : l[r]);
+      l[r] = row_sum4(l_run[rt][r]);
+      inv[r] = l[r] > A(0) ? A(1) / l[r] : A(0);  // 0 for a fully masked row (l = 0)
+    }
+    if (p.kv_splits > 1) {  // this split's rows for the combine kernel (dense rows: i indexes L)
+      const int64_t rows = p.kv_splits * p.batch * p.heads_q * L, srow0 = (split * p.batch * p.heads_q + bh) * L;
+      A* po = static_cast<A*>(p.part_out) + srow0 * p.head_dim_v;
+      A* pm = static_cast<A*>(p.part_ml) + srow0;
+      for_each_output(o[rt], inv, row0, L, p.head_dim_v, lane,
+                      [&](int64_t i, int c, A x) { po[i * p.head_dim_v + c] = x; });
+      if (lane % 4 == 0)
+MHA_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          const int64_t i = row0 + MmaLayout::c_row(lane, 2 * r);
+          if (i < L) {
+            pm[i] = m_run[rt][r];
+            pm[rows + i] = l[r];
+          }
+        }
+      if (rt + 1 == kRT) return;  // (an early return: the general kernel's registers were lower with it)
+      continue;
+    }
+    T* out = static_cast<T*>(p.out) + b * p.out_stride.b + h * p.out_stride.h;
+    for_each_output(o[rt], inv, row0, L, p.head_dim_v, lane, [&](int64_t i, int c, A x) {
+      out[i * p.out_stride.row + c * p.out_stride.col] = to_elem<T>(x);
+    });
+    if (lane % 4 == 0) {
+      A* lse = static_cast<A*>(p.lse) + p.lse_index(b, h, 0);
+MHA_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        const int64_t i = row0 + MmaLayout::c_row(lane, 2 * r);
+        // natural log; -inf for a fully masked row; NaN stays NaN
+        if (i < L)
+          lse[i] = l[r] > A(0) ? (m_run[rt][r] + Units::log(l[r])) / Units::kPerNat
+                               : (l[r] == l[r] ? A(-INFINITY) : l[r]);
+      }
     }
   }
 }

@@ -3,7 +3,8 @@
 // build (attention_cuda.cu) and the emulation tests (tests/emul).
 //
 // Instantiations: 4 element types x 3 head dims x 3 kernels (fwd, bwd, bwd_dq)
-// + 4 bwd_dot + 4 combine = 44 per architecture.
+// + 4 plain forward kernels (16-bit types at head dims 64 and 128) + 4
+// bwd_dot + 4 combine = 48 per architecture.
 #pragma once
 
 #include "attention_kernels.h"
@@ -49,7 +50,7 @@ inline int padded_head_dim(int64_t e, int64_t ev) {
 //   float:    D 64: 60.0 KiB, 128: 87.0 KiB, 256: 67.5 KiB
 //   double:   D 64: 54.0 KiB, 128: 83.5 KiB, 256: 99.0 KiB
 // (A100 allows 163 KiB per block, H100 227 KiB, sm_86 / sm_89 / sm_120 99 KiB.)
-// With 128-row tiles (fwd_warps below; f16/bf16 only): D 64: 54.0 KiB, 128:
+// With 128-row tiles (fwd_slices below; f16/bf16 only): D 64: 54.0 KiB, 128:
 // 102.0 KiB, 256: 132.0 KiB.
 template <typename T, int kHeadDim>
 constexpr size_t fwd_shared_bytes() {
@@ -134,28 +135,49 @@ inline Fp32Math fp32_math_requested() {
   return tf32 ? Fp32Math::kTf32 : Fp32Math::kCudaCores;
 }
 
-// The forward's warps per block (16 query rows each) for element type T at
-// head dim kHeadDim: kFwdWideWarps (128 rows, 16-bit types) or kFwdWarps (64
-// rows). MHA_EXT_CUDA_FWD_ROWS, read at each launch: unset or "auto": 128
-// rows at head dims 128 and 256 when the call has more than 64 query rows
-// and the GPU's shared memory per block holds the wider Q tile (A100, H100:
-// 8 warps per SM where 64-row blocks get 4 on sm_80, and each K/V tile
-// serves twice the rows); 64 rows at head dim 64 (128 rows would take sm_80
-// from 12 warps per SM to 8); "64": always 64 (the tiles before); "128": 128
-// wherever the shared memory holds it. For finite inputs a row's result does
-// not depend on the block it is in (the same key tiles in the same order; a
-// wider causal or window block only adds tiles fully masked for the row,
-// which change nothing): the outputs are bit-identical either way.
-// wide_fits: the GPU's shared memory per block holds the 128-row tiles.
+// Whether a forward call runs the plain kernel (attention_fwd_kernel's
+// kPlain: warps of 32 query rows, two row tiles sharing every K and V
+// fragment the warp loads): a call without a mask tensor, dropout, softcap,
+// ALiBi or a paged KV cache, in a type and head dim that has it (TileConfig::kFwdRowTiles:
+// 16-bit types up to head dim 128), unless MHA_EXT_CUDA_FWD_WARP_ROWS, read
+// at each launch, is "16" (the general kernel, 16 rows a warp, as before);
+// unset, "auto" or "32": wherever it can. A row's arithmetic is the same in
+// both kernels: the outputs are bit-identical.
 template <typename T, int kHeadDim>
-int fwd_warps(int64_t len_q, bool wide_fits) {
+bool fwd_plain(const AttentionFwdParams& p) {
+  const char* v = std::getenv("MHA_EXT_CUDA_FWD_WARP_ROWS");
+  const std::string mode = v == nullptr ? "auto" : v;
+  if (mode != "auto" && mode != "16" && mode != "32")
+    throw std::invalid_argument("MHA_EXT_CUDA_FWD_WARP_ROWS must be \"auto\", \"16\" or \"32\", got \"" + mode +
+                                "\"");
+  return TileConfig<T, kHeadDim>::kFwdRowTiles > 1 && mode != "16" && p.mask_kind == MaskKind::kNone &&
+         !p.dropout.enabled() && !p.variant.changes_scores() && p.block_table == nullptr;
+}
+
+// The forward's query rows per block, in 16-row slices, for element type T
+// at head dim kHeadDim: kFwdWideWarps (128 rows, 16-bit types) or kFwdWarps
+// (64 rows). MHA_EXT_CUDA_FWD_ROWS, read at each launch: unset or "auto":
+// 128 rows when the call has more than 64 query rows and the GPU's shared
+// memory per block holds the wider Q tile, at head dims 128 and 256 with 16
+// rows a warp (A100, H100: 8 warps per SM where 64-row blocks get 4 on
+// sm_80, and each K/V tile serves twice the rows; at head dim 64, 128 rows
+// would take sm_80 from 12 warps per SM to 8) and at every head dim with 32
+// rows a warp (4 warps a block); 64 rows otherwise; "64": always 64 (the
+// tiles before); "128": 128 wherever the shared memory holds it. For finite
+// inputs a row's result does not depend on the block it is in (the same key
+// tiles in the same order; a wider causal or window block only adds tiles
+// fully masked for the row, which change nothing): the outputs are
+// bit-identical either way. wide_fits: the GPU's shared memory per block
+// holds the 128-row tiles.
+template <typename T, int kHeadDim>
+int fwd_slices(int64_t len_q, bool wide_fits, int row_tiles) {
   using C = TileConfig<T, kHeadDim>;
   const char* v = std::getenv("MHA_EXT_CUDA_FWD_ROWS");
   const std::string mode = v == nullptr ? "auto" : v;
   if (mode != "auto" && mode != "64" && mode != "128")
     throw std::invalid_argument("MHA_EXT_CUDA_FWD_ROWS must be \"auto\", \"64\" or \"128\", got \"" + mode + "\"");
   if (!wide_fits || mode == "64") return C::kFwdWarps;
-  if (mode == "auto" && (kHeadDim < 128 || len_q <= 64)) return C::kFwdWarps;
+  if (mode == "auto" && ((kHeadDim < 128 && row_tiles == 1) || len_q <= 64)) return C::kFwdWarps;
   return C::kFwdWideWarps;
 }
 
@@ -184,11 +206,11 @@ inline int64_t kv_splits_requested() {  // 0: auto
 }
 
 template <typename T, int kHeadDim>
-int64_t fwd_kv_splits(const AttentionFwdParams& p, int warps) {
+int64_t fwd_kv_splits(const AttentionFwdParams& p, int slices) {
   if (p.cu_seqlens_q != nullptr || p.len_q == 0 || p.len_kv == 0) return 1;
   const int64_t asked = kv_splits_requested();
   const int64_t tiles = (p.len_kv + TileConfig<T, kHeadDim>::kFwdBlockN - 1) / TileConfig<T, kHeadDim>::kFwdBlockN;
-  const int64_t blocks = row_blocks(p.len_q, 16 * warps) * p.batch * p.heads_q;
+  const int64_t blocks = row_blocks(p.len_q, 16 * slices) * p.batch * p.heads_q;
   const int64_t target = 2 * static_cast<int64_t>(multiprocessor_count());
   if (blocks >= target) return 1;  // the GPU is full (and a long query's workspace would be large)
   if (asked > 0) return std::min(asked, tiles);
@@ -211,8 +233,10 @@ void launch_attention_fwd(const AttentionFwdParams& params, Stream stream, Check
     // 128-row tiles exist (16-bit types) and the GPU holds them: one device query a launch
     const bool wide_fits =
         C::kFwdWideWarps != C::kFwdWarps && C::fwd_shared_bytes(C::kFwdWideWarps) <= max_shared_per_block();
-    const int warps = fwd_warps<T, kHeadDim>(p.len_q, wide_fits);
-    p.kv_splits = fwd_kv_splits<T, kHeadDim>(p, warps);
+    const bool plain = fwd_plain<T, kHeadDim>(p);
+    const int row_tiles = plain ? C::kFwdRowTiles : 1;  // a warp's 16-row tiles
+    const int slices = fwd_slices<T, kHeadDim>(p.len_q, wide_fits, row_tiles);
+    p.kv_splits = fwd_kv_splits<T, kHeadDim>(p, slices);
     const int64_t bh = p.batch * p.heads_q, rows = bh * p.len_q;
     if (p.kv_splits > 1) {
       const int64_t parts = p.kv_splits * rows;
@@ -221,14 +245,19 @@ void launch_attention_fwd(const AttentionFwdParams& params, Stream stream, Check
     }
     // query blocks (times the key splits) on x; the (batch, head) pairs on y, spilling into z past kGridYMax
     const int64_t y = std::min<int64_t>(bh, kGridYMax);
-    const dim3 grid(row_blocks(p.len_q, 16 * warps) * static_cast<unsigned>(p.kv_splits), static_cast<unsigned>(y),
+    const dim3 grid(row_blocks(p.len_q, 16 * slices) * static_cast<unsigned>(p.kv_splits), static_cast<unsigned>(y),
                     static_cast<unsigned>((bh + y - 1) / y));
     // the kernel's shared-memory limit: the larger size wherever the GPU has
     // it, for both row counts (launch_kernel)
     const int limit = C::fwd_shared_bytes(wide_fits ? C::kFwdWideWarps : C::kFwdWarps);
-    check(launch_kernel(attention_fwd_kernel<T, kHeadDim>, grid, dim3(32 * warps),
-                        SharedMemory{static_cast<size_t>(C::fwd_shared_bytes(warps)), static_cast<size_t>(limit)},
-                        stream, p));
+    const SharedMemory smem{static_cast<size_t>(C::fwd_shared_bytes(slices)), static_cast<size_t>(limit)};
+    if constexpr (C::kFwdRowTiles > 1) {
+      if (plain) {
+        check(launch_kernel(attention_fwd_kernel<T, kHeadDim, true>, grid, dim3(32 * slices / row_tiles), smem,
+                            stream, p));
+      }
+    }
+    if (!plain) check(launch_kernel(attention_fwd_kernel<T, kHeadDim, false>, grid, dim3(32 * slices), smem, stream, p));
     if (p.kv_splits > 1) {
       constexpr int kCombineWarps = 4;  // a row each
       check(launch_kernel(attention_combine_kernel<T>, dim3(row_blocks(rows, kCombineWarps)), dim3(32 * kCombineWarps),

@@ -6,12 +6,19 @@
 
 namespace mha_ext::device {
 
-#define MHA_PTX_INSTANTIATE(T, D)                                             \
-  template __global__ void attention_fwd_kernel<T, D>(const AttentionFwdParams); \
+#define MHA_PTX_INSTANTIATE(T, D)                                                    \
+  template __global__ void attention_fwd_kernel<T, D, false>(const AttentionFwdParams); \
   template __global__ void attention_bwd_kernel<T, D>(const AttentionBwdParams); \
   template __global__ void attention_bwd_dq_kernel<T, D>(const AttentionBwdParams);
 
+// the plain forward kernel (launch.h's fwd_plain): 16-bit types up to head dim 128
+#define MHA_PTX_INSTANTIATE_PLAIN(T, D) template __global__ void attention_fwd_kernel<T, D, true>(const AttentionFwdParams);
+
 #if defined(MHA_PTX_ALL)
+MHA_PTX_INSTANTIATE_PLAIN(f16, 64)
+MHA_PTX_INSTANTIATE_PLAIN(f16, 128)
+MHA_PTX_INSTANTIATE_PLAIN(bf16, 64)
+MHA_PTX_INSTANTIATE_PLAIN(bf16, 128)
 MHA_PTX_INSTANTIATE(f16, 64)
 MHA_PTX_INSTANTIATE(f16, 128)
 MHA_PTX_INSTANTIATE(f16, 256)
@@ -25,6 +32,8 @@ MHA_PTX_INSTANTIATE(double, 64)
 MHA_PTX_INSTANTIATE(double, 128)
 MHA_PTX_INSTANTIATE(double, 256)
 #else  // the configurations the PTX test reads
+MHA_PTX_INSTANTIATE_PLAIN(f16, 64)
+MHA_PTX_INSTANTIATE_PLAIN(bf16, 128)
 MHA_PTX_INSTANTIATE(f16, 64)
 MHA_PTX_INSTANTIATE(bf16, 128)
 MHA_PTX_INSTANTIATE(float, 64)
