@@ -11,7 +11,8 @@ synchronised): what the first session with a GPU runs.
 2. The run-time switches of the CUDA backend, each value against the default,
    forward and forward+backward, interleaved in the same process (they are read
    at each launch): MHA_EXT_CUDA_FWD_WARP_ROWS (the plain forward kernel's
-   32 query rows a warp, or the general kernel's 16), MHA_EXT_CUDA_FWD_ROWS
+   32 query rows a warp, or the general kernel's 16; at head dim 64, 16 also
+   means 64-row blocks where auto takes 128), MHA_EXT_CUDA_FWD_ROWS
    (64 / 128 query rows per forward block), MHA_EXT_CUDA_OPERANDS (ldmatrix / scalar operand loads), and for
    float32 MHA_EXT_CUDA_FLOAT32 (auto with TF32 off and on, 3xtf32,
    cuda-cores) beside torch's float32 (memory-efficient backend).

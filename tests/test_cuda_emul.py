@@ -649,7 +649,18 @@ def test_emul_forward_rows_64_and_128_are_bit_identical(backend, dtype, shape, m
             for warp_rows in ("16", "32"):
                 monkeypatch.setenv("MHA_EXT_CUDA_FWD_ROWS", rows)
                 monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", warp_rows)
+                if isinstance(backend, OnCuda):
+                    results[rows, warp_rows] = backend.attention(*args)[:2]
+                    continue
+                backend.launched_grids(), backend.launched_threads()
                 results[rows, warp_rows] = backend.attention(*args)[:2]
+                # which kernel ran, from the launch: the plain one (32 rows a
+                # warp) for the calls it takes, else the general one (16)
+                d, L = max(shape[5], shape[6]), shape[3]
+                plain = warp_rows == "32" and d <= 128 and "dropout_p" not in case
+                block = 64 if rows == "64" or (rows == "auto" and not plain and d < 128) else 128
+                assert backend.launched_grids()[0] == -(-L // block), (case, rows, warp_rows)
+                assert backend.launched_threads()[0] == 32 * block // (32 if plain else 16), (case, rows, warp_rows)
         for key, got in results.items():
             for a, b in zip(results["64", "16"], got):
                 assert torch.equal(a, b), (case, key)
@@ -662,6 +673,34 @@ def test_emul_forward_rows_64_and_128_are_bit_identical(backend, dtype, shape, m
         if "window" in case:
             kw.update(window=win)
         assert_all_like_cpu(results["auto", "32"][0], cpu_out, references(q, k, v, **kw), dtype)
+
+
+def test_emul_forward_warp_rows_with_key_splits_are_bit_identical(backend, monkeypatch):
+    # Key splits (flash-decoding) counted in 64-row blocks whatever the
+    # launch's rows per block: the plain kernel's 128-row blocks (2 here)
+    # and the general kernel's 64-row ones (3) split the keys alike (11 runs
+    # of 7 key tiles), so a non-causal row sums the same runs in the same
+    # order, and the combine gives the same bits (counted in the launch's
+    # blocks, the plain kernel would make 17 runs).
+    monkeypatch.delenv("MHA_EXT_CUDA_KV_SPLITS", raising=False)
+    monkeypatch.delenv("MHA_EXT_CUDA_FWD_ROWS", raising=False)
+    torch.manual_seed(11)
+    q, k, v = make((1, 8, 2, 130, 4400, 64, 64), torch.bfloat16)
+    args = (q, k, v, None, 0.0, False, None, True)
+    results = {}
+    for warp_rows, q_blocks in (("16", 3), ("32", 2)):
+        monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", warp_rows)
+        if isinstance(backend, OnCuda):
+            results[warp_rows] = backend.attention(*args)[:2]
+            continue
+        backend.launched_grids()
+        results[warp_rows] = backend.attention(*args)[:2]
+        grids = backend.launched_grids()
+        assert grids[0] == q_blocks * 11 and len(grids) == 6, (warp_rows, grids)  # then the combine
+    for a, b in zip(results["16"], results["32"]):
+        assert torch.equal(a, b)
+    cpu_out = torch.ops.mha_ext.attention(*args)[0]
+    assert_all_like_cpu(results["32"][0], cpu_out, references(q, k, v, enable_gqa=True), torch.bfloat16)
 
 
 def test_emul_forward_rows_setting_is_checked(backend, monkeypatch):

@@ -142,7 +142,12 @@ inline Fp32Math fp32_math_requested() {
 // 16-bit types up to head dim 128), unless MHA_EXT_CUDA_FWD_WARP_ROWS, read
 // at each launch, is "16" (the general kernel, 16 rows a warp, as before);
 // unset, "auto" or "32": wherever it can. A row's arithmetic is the same in
-// both kernels: the outputs are bit-identical.
+// both kernels: for finite V the outputs are bit-identical (the plain
+// kernel's row tiles skip key tiles they cannot see, where the general
+// kernel adds 0 x V: an infinite V row there turns its rows NaN in the
+// general kernel only; and with key splits under causal alignment or a
+// window, a block's runs follow its own visible tiles, which differ with
+// its rows: the last bits may differ there as with MHA_EXT_CUDA_FWD_ROWS).
 template <typename T, int kHeadDim>
 bool fwd_plain(const AttentionFwdParams& p) {
   const char* v = std::getenv("MHA_EXT_CUDA_FWD_WARP_ROWS");
@@ -161,14 +166,16 @@ bool fwd_plain(const AttentionFwdParams& p) {
 // memory per block holds the wider Q tile, at head dims 128 and 256 with 16
 // rows a warp (A100, H100: 8 warps per SM where 64-row blocks get 4 on
 // sm_80, and each K/V tile serves twice the rows; at head dim 64, 128 rows
-// would take sm_80 from 12 warps per SM to 8) and at every head dim with 32
-// rows a warp (4 warps a block); 64 rows otherwise; "64": always 64 (the
+// of 16-row warps would take sm_80 from 12 warps per SM to 8) and, for the
+// plain kernel's 32-row warps (head dims 64 and 128), at both head dims (4
+// warps a block); 64 rows otherwise; "64": always 64 (the
 // tiles before); "128": 128 wherever the shared memory holds it. For finite
 // inputs a row's result does not depend on the block it is in (the same key
 // tiles in the same order; a wider causal or window block only adds tiles
 // fully masked for the row, which change nothing): the outputs are
-// bit-identical either way. wide_fits: the GPU's shared memory per block
-// holds the 128-row tiles.
+// bit-identical either way, except with key splits under causal alignment
+// or a window (a block's runs follow its own visible tiles). wide_fits: the
+// GPU's shared memory per block holds the 128-row tiles.
 template <typename T, int kHeadDim>
 int fwd_slices(int64_t len_q, bool wide_fits, int row_tiles) {
   using C = TileConfig<T, kHeadDim>;
@@ -189,8 +196,11 @@ int fwd_slices(int64_t len_q, bool wide_fits, int row_tiles) {
 // most kMaxSplits; "1": never; a number N: N splits (at most one per key
 // tile) where "auto" would consider splitting (fewer blocks than twice the
 // multiprocessors). Never for varlen calls (their query rows are packed). The count depends on the shape, the GPU and the setting
-// alone, so a CUDA graph replays the same work. (Chosen without a GPU to
-// measure on: a starting point, not a tuned one.)
+// alone, so a CUDA graph replays the same work; the blocks are counted as
+// 64-row blocks whatever the launch's rows per block, so that the count does
+// not move with MHA_EXT_CUDA_FWD_ROWS / MHA_EXT_CUDA_FWD_WARP_ROWS (a
+// non-causal row then sums the same runs of tiles in every layout). (Chosen
+// without a GPU to measure on: a starting point, not a tuned one.)
 constexpr int64_t kMinSplitTiles = 4, kMaxSplits = 64;
 
 inline int64_t kv_splits_requested() {  // 0: auto
@@ -206,11 +216,11 @@ inline int64_t kv_splits_requested() {  // 0: auto
 }
 
 template <typename T, int kHeadDim>
-int64_t fwd_kv_splits(const AttentionFwdParams& p, int slices) {
+int64_t fwd_kv_splits(const AttentionFwdParams& p) {
   if (p.cu_seqlens_q != nullptr || p.len_q == 0 || p.len_kv == 0) return 1;
   const int64_t asked = kv_splits_requested();
   const int64_t tiles = (p.len_kv + TileConfig<T, kHeadDim>::kFwdBlockN - 1) / TileConfig<T, kHeadDim>::kFwdBlockN;
-  const int64_t blocks = row_blocks(p.len_q, 16 * slices) * p.batch * p.heads_q;
+  const int64_t blocks = row_blocks(p.len_q, 16 * TileConfig<T, kHeadDim>::kFwdWarps) * p.batch * p.heads_q;
   const int64_t target = 2 * static_cast<int64_t>(multiprocessor_count());
   if (blocks >= target) return 1;  // the GPU is full (and a long query's workspace would be large)
   if (asked > 0) return std::min(asked, tiles);
@@ -236,7 +246,7 @@ void launch_attention_fwd(const AttentionFwdParams& params, Stream stream, Check
     const bool plain = fwd_plain<T, kHeadDim>(p);
     const int row_tiles = plain ? C::kFwdRowTiles : 1;  // a warp's 16-row tiles
     const int slices = fwd_slices<T, kHeadDim>(p.len_q, wide_fits, row_tiles);
-    p.kv_splits = fwd_kv_splits<T, kHeadDim>(p, slices);
+    p.kv_splits = fwd_kv_splits<T, kHeadDim>(p);
     const int64_t bh = p.batch * p.heads_q, rows = bh * p.len_q;
     if (p.kv_splits > 1) {
       const int64_t parts = p.kv_splits * rows;

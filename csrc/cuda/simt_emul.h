@@ -335,6 +335,11 @@ inline std::vector<std::array<unsigned, 3>>& launched_grids() {
   static std::vector<std::array<unsigned, 3>> grids;
   return grids;
 }
+// and the threads per block of each (mha_ext_emul::launched_threads)
+inline std::vector<unsigned>& launched_threads() {
+  static std::vector<unsigned> threads;
+  return threads;
+}
 
 // Runs the kernel under the emulation; returns 0 (no error) to mirror the CUDA form.
 template <typename... KArgs, typename... Args>
@@ -343,6 +348,9 @@ inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t
   auto& grids = launched_grids();
   if (grids.size() >= 4096) grids.erase(grids.begin(), grids.begin() + 2048);  // the recent ones are read
   grids.push_back({grid.x, grid.y, grid.z});
+  auto& threads = launched_threads();
+  if (threads.size() >= 4096) threads.erase(threads.begin(), threads.begin() + 2048);
+  threads.push_back(block.x * block.y * block.z);
   emul::launch(grid, block, shared_bytes, [&] { kernel(args...); });
   return 0;
 }

@@ -19,6 +19,7 @@ TORCH_LIBRARY(mha_ext_emul, m) {
   m.def(mha_ext::kKVCacheAttentionSchema);
   m.def(mha_ext::kDrawRngStateSchema);
   m.def("launched_grids() -> int[]");  // (x, y, z) of each launch since the last call
+  m.def("launched_threads() -> int[]");  // the threads per block of each launch since the last call
 }
 
 // The grids the emulated kernels were launched with since the last call, flat.
@@ -38,4 +39,14 @@ TORCH_LIBRARY_IMPL(mha_ext_emul, CPU, m) {
   m.impl("draw_rng_state", &mha_ext::device_host::draw_rng_state_device);
 }
 
-TORCH_LIBRARY_IMPL(mha_ext_emul, CatchAll, m) { m.impl("launched_grids", &launched_grids); }
+// The threads per block of the launches since the last call.
+std::vector<int64_t> launched_threads() {
+  std::vector<int64_t> out(mha_ext::simt::launched_threads().begin(), mha_ext::simt::launched_threads().end());
+  mha_ext::simt::launched_threads().clear();
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(mha_ext_emul, CatchAll, m) {
+  m.impl("launched_grids", &launched_grids);
+  m.impl("launched_threads", &launched_threads);
+}

@@ -1,0 +1,226 @@
+// The one score policy of the CUDA kernels: which keys a row sees (in_band,
+// interior_tile), the score transform of the attention variants
+// (masked_score, score_slope), the softmax units (base 2 for float
+// accumulation) and the plain path's test (plain_scores), and the dropout
+// draws of a fragment (Philox, as the CPU kernels draw them).
+#pragma once
+
+#include "../attention_params.h"
+#include "../dropout.h"
+#include "warp_tiles.h"
+
+namespace mha_ext::device {
+
+using namespace mha_ext::simt;
+
+// Whether row i may see key j (causal alignment and window).
+MHA_DEVICE bool in_band(const AttentionFwdParams& p, int64_t i, int64_t j) {
+  return j >= p.variant.begin(i) && j < p.variant.end(i, p.len_kv);
+}
+
+// The one score transform of the CUDA kernels (AttentionVariant): the score
+// of query row i and key column j of head (b, h) from the raw dot product s:
+// scaled, softcapped, ALiBi, the mask, and -inf where the row may not see
+// the key (causal alignment and window).
+template <typename T, typename A>
+MHA_DEVICE A masked_score(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i, int64_t j, A s) {
+  const AttentionVariant& w = p.variant;
+  A x = s * static_cast<A>(p.scale);
+  if (w.softcap > 0.0) x = static_cast<A>(w.softcap) * ftanh(x / static_cast<A>(w.softcap));
+  if (w.alibi != nullptr) {
+    const int64_t d = i + w.diag_offset - j;
+    x -= static_cast<const A*>(w.alibi)[b * w.alibi_stride_b + h * w.alibi_stride_h] * static_cast<A>(d < 0 ? -d : d);
+  }
+  if (p.mask_kind != MaskKind::kNone) {
+    const int64_t off = b * p.mask_stride.b + h * p.mask_stride.h + i * p.mask_stride.row + j * p.mask_stride.col;
+    if (p.mask_kind == MaskKind::kBool) {
+      if (!as<bool>(p.mask)[off]) x = -INFINITY;
+    } else {
+      x += static_cast<A>(to_float(as<T>(p.mask)[off]));
+    }
+  }
+  return in_band(p, i, j) ? x : A(-INFINITY);
+}
+
+// Whether every score of rows [i_lo, i_hi] and keys [j_lo, j_hi] is the
+// scaled dot product alone: inside the lengths and the causal / window band,
+// no mask, no softcap or ALiBi. Such tiles skip masked_score's per-element
+// checks (edge and diagonal tiles take them).
+MHA_DEVICE bool interior_tile(const AttentionFwdParams& p, int64_t i_lo, int64_t i_hi, int64_t j_lo, int64_t j_hi) {
+  return p.mask_kind == MaskKind::kNone && !p.variant.changes_scores() && i_hi < p.len_q && j_hi < p.len_kv &&
+         p.variant.begin(i_hi) <= j_lo && p.variant.end(i_lo, p.len_kv) > j_hi;
+}
+
+// The forward's softmax units: base 2 for float accumulation (exp2, the
+// scale times log2(e) folded into the scores), base e for double.
+// from_nats: a score in these units; a finite score that would overflow
+// (finfo.min padding in a float mask) is clamped to the largest finite value,
+// so a row padded everywhere stays uniform instead of "masked out" (as the
+// CPU kernels' mask_in_units).
+template <typename A>
+struct SoftmaxUnits {
+  static constexpr A kPerNat = A(1);
+  MHA_DEVICE static A from_nats(A x) { return x; }
+  MHA_DEVICE static A scaled(A x, A scale) { return x * scale; }
+  MHA_DEVICE static A exp(A x) { return fexp(x); }
+  MHA_DEVICE static A log(A x) { return flog(x); }
+};
+template <>
+struct SoftmaxUnits<float> {
+  static constexpr float kPerNat = 1.4426950408889634f;  // log2(e)
+  static constexpr float kMax = 3.40282347e+38f;
+  MHA_DEVICE static float from_nats(float x) {
+    const float u = fmul_rn(x, kPerNat);  // never fused into a later subtraction: scaled's bits
+    return (u < -kMax && x >= -kMax) ? -kMax : ((u > kMax && x <= kMax) ? kMax : u);
+  }
+  MHA_DEVICE static float exp(float x) { return fexp2(x); }
+  MHA_DEVICE static float log(float x) { return flog2(x); }
+  // from_nats(x * scale) where that product does not overflow: the same
+  // bits (two roundings, neither multiply fused), without the clamp
+  MHA_DEVICE static float scaled(float x, float scale) { return fmul_rn(fmul_rn(x, scale), kPerNat); }
+};
+
+// Whether a warp's tile of raw dot products s (the C fragments of S = Q K^T)
+// may take the plain softmax: float16 / bfloat16, an interior tile (no mask,
+// softcap, ALiBi or bounds inside it), scale > 0, and every s finite and
+// finite once scaled (one NaN-propagating max of |s| a score and a vote).
+// Then each score in the softmax's units is SoftmaxUnits::scaled(s, scale),
+// the bits the exact path's from_nats(s * scale) gives, so a row's tiles and
+// its backward agree whichever path each took; the forward's probabilities
+// are exp2(u - m) and the backward's exp2(min(u - shift, 0) - log_norm),
+// with no clamp, NaN test or branch per score. interior and scale are the
+// same on every lane, so every lane votes. (float and double keep the exact
+// path: the plain one cost them registers.)
+template <typename T, int N, typename A>
+MHA_DEVICE bool plain_scores(const A (&s)[N][4], bool interior, A scale) {
+  if constexpr (sizeof(T) == 2) {
+    if (!interior || !(scale > A(0))) return false;
+    A amax = A(0);
+MHA_UNROLL
+    for (int t = 0; t < N; ++t)
+MHA_UNROLL
+      for (int e = 0; e < 4; ++e) amax = nan_max(amax, fabsf(s[t][e]));
+    // both roundings are monotonic: no |s| of the tile scales past amax's
+    return vote_all(SoftmaxUnits<A>::scaled(amax, scale) <= SoftmaxUnits<A>::kMax);  // false for NaN
+  }
+  return false;
+}
+
+// d(score) / d(scale * dot product): the softcap's 1 - tanh^2, else 1.
+template <typename A>
+MHA_DEVICE A score_slope(const AttentionFwdParams& p, A s) {
+  if (!(p.variant.softcap > 0.0)) return A(1);
+  const A t = ftanh(s * static_cast<A>(p.scale) / static_cast<A>(p.variant.softcap));
+  return A(1) - t * t;
+}
+
+// dropout.h's stream: the (seed, offset) a kernel resolved at its start
+// (from values or device memory, see DropoutParams), and whether element
+// (b, h, i, j) is kept.
+struct DropoutKey {
+  uint64_t seed = 0, offset = 0;
+  DropoutFrame frame;
+};
+MHA_DEVICE DropoutKey dropout_key(const DropoutParams& d) {
+  return d.enabled() ? DropoutKey{d.seed_value(), d.offset_value(), dropout_frame(d)} : DropoutKey{};
+}
+// the row's draws are those of its lse entry's index (or of its row in the
+// frame), as on the CPU
+MHA_DEVICE uint64_t dropout_row(const AttentionFwdParams& p, const DropoutKey& key, int64_t b, int64_t h, int64_t i) {
+  return p.dropout_row(key.frame, b, h, i);
+}
+// the draws of the call's column j: those of column j + col0 of the frame
+MHA_DEVICE Philox4 dropout_draws(const DropoutKey& key, uint64_t row, int64_t j) {
+  return philox4x32_10(key.seed, row, key.offset + static_cast<uint64_t>((j + key.frame.col0) >> 2));
+}
+// word w & 3 of a draw, by selects: indexing the array with a run-time value
+// would put the four words on the stack
+MHA_DEVICE uint32_t philox_word(const Philox4& r, int64_t w) {
+  const int64_t i = w & 3;
+  return i == 0 ? r.w[0] : i == 1 ? r.w[1] : i == 2 ? r.w[2] : r.w[3];
+}
+MHA_DEVICE bool dropout_keep(const DropoutParams& d, const DropoutKey& key, uint64_t row, int64_t j) {
+  return philox_word(dropout_draws(key, row, j), j + key.frame.col0) >= d.drop_threshold;
+}
+
+// The keep bits of one 16 x 8 C fragment, bit e for element e (rows g, g,
+// g + 8, g + 8; columns 2c, 2c + 1, 2c, 2c + 1; lane 4g + c), drawn by the
+// lanes together: where the frame keeps Philox blocks on 4-column boundaries
+// of the fragment, each lane draws one block and passes words to the lanes
+// that need them, one Philox call per 4 elements (otherwise each element's
+// own block, as on the CPU). Every lane of the warp must call it.
+//
+// Fragment rows are query rows i_lo = base + g (and + 8), columns keys j8 ..
+// j8 + 7 (forward, dQ kernel): lanes c and c ^ 1 cover 4 keys, one block per
+// row; lane c even draws row g's, odd row g + 8's, and each passes the
+// other the two words it needs.
+MHA_DEVICE unsigned dropout_bits_query_rows(const AttentionFwdParams& p, const DropoutKey& key, int64_t b, int64_t h,
+                                            int64_t i_lo, int64_t j8, int lane) {
+  const uint32_t thr = p.dropout.drop_threshold;
+  const int c = lane % 4;
+  unsigned bits = 0;
+  if ((key.frame.col0 & 3) == 0 && (j8 & 3) == 0) {
+    const bool odd = c & 1;
+    const Philox4 w = dropout_draws(key, dropout_row(p, key, b, h, odd ? i_lo + 8 : i_lo), j8 + 4 * (c / 2));
+    const uint32_t got0 = shfl_xor(odd ? w.w[0] : w.w[2], 1), got1 = shfl_xor(odd ? w.w[1] : w.w[3], 1);
+    const uint32_t k0 = odd ? got0 : w.w[0], k1 = odd ? got1 : w.w[1];  // row g, columns 2c, 2c + 1
+    const uint32_t k2 = odd ? w.w[2] : got0, k3 = odd ? w.w[3] : got1;  // row g + 8
+    bits = unsigned(k0 >= thr) | unsigned(k1 >= thr) << 1 | unsigned(k2 >= thr) << 2 | unsigned(k3 >= thr) << 3;
+  } else {
+    for (int e = 0; e < 4; ++e)
+      bits |= unsigned(dropout_keep(p.dropout, key, dropout_row(p, key, b, h, i_lo + 8 * (e / 2)), j8 + 2 * c + e % 2))
+              << e;
+  }
+  return bits;
+}
+
+// Fragment rows are keys j_lo = base + g (and + 8), columns query rows i8 ..
+// i8 + 7 (the key-block kernel's S^T): lanes g = 4q + r, r = 0 .. 3, of a
+// column pair need the same four blocks (queries 2c + (r & 1), keys of g +
+// 8 (r >> 1)), word r of each; lane r draws block r and a 4 x 4 transpose
+// across the four lanes (lane ^ 8, then lane ^ 4) hands each its words.
+MHA_DEVICE unsigned dropout_bits_key_rows(const AttentionFwdParams& p, const DropoutKey& key, int64_t b, int64_t h,
+                                          int64_t j_lo, int64_t i8, int lane) {
+  const uint32_t thr = p.dropout.drop_threshold;
+  const int c = lane % 4, r = (lane / 4) % 4, hi = r >> 1, lo = r & 1;
+  unsigned bits = 0;
+  if ((key.frame.col0 & 3) == 0 && ((j_lo - r) & 3) == 0) {
+    const Philox4 w = dropout_draws(key, dropout_row(p, key, b, h, i8 + 2 * c + lo), j_lo - r + 8 * hi);
+    // to lane r ^ 2 the words it keeps (2 hi', 2 hi' + 1); from it, block r ^ 2's words 2 hi, 2 hi + 1
+    const uint32_t a0 = hi ? w.w[2] : w.w[0], a1 = hi ? w.w[3] : w.w[1];
+    const uint32_t x0 = shfl_xor(hi ? w.w[0] : w.w[2], 8), x1 = shfl_xor(hi ? w.w[1] : w.w[3], 8);
+    // to lane r ^ 1 the words it needs (index 1 - lo of the pairs); word r of blocks r .. r ^ 3
+    const uint32_t own_a = lo ? a1 : a0, own_b = lo ? x1 : x0;
+    const uint32_t got_a = shfl_xor(lo ? a0 : a1, 4), got_b = shfl_xor(lo ? x0 : x1, 4);
+    for (int e = 0; e < 4; ++e) {
+      const int d = e ^ r;  // block e is block r ^ d
+      const uint32_t word = d == 0 ? own_a : d == 1 ? got_a : d == 2 ? own_b : got_b;
+      bits |= unsigned(word >= thr) << e;
+    }
+  } else {
+    for (int e = 0; e < 4; ++e)
+      bits |= unsigned(dropout_keep(p.dropout, key, dropout_row(p, key, b, h, i8 + 2 * c + e % 2), j_lo + 8 * (e / 2)))
+              << e;
+  }
+  return bits;
+}
+
+// The keep bits of kTiles fragments side by side, 8 columns apart from
+// column col0 (row_lo: the fragment row of lane's g), 4 each as above, drawn
+// in a loop that is not unrolled (the draws one after another, not all live
+// at once); 0 without dropout. kKeyRows: the fragments' rows are keys.
+template <int kTiles, bool kKeyRows>
+MHA_DEVICE uint32_t dropout_tile_bits(const AttentionFwdParams& p, const DropoutKey& key, int64_t b, int64_t h,
+                                      int64_t row_lo, int64_t col0, int lane) {
+  static_assert(4 * kTiles <= 32);
+  if (!p.dropout.enabled()) return 0;
+  uint32_t keep = 0;
+MHA_NO_UNROLL
+  for (int t = 0; t < kTiles; ++t)
+    keep |= (kKeyRows ? dropout_bits_key_rows(p, key, b, h, row_lo, col0 + 8 * t, lane)
+                      : dropout_bits_query_rows(p, key, b, h, row_lo, col0 + 8 * t, lane))
+            << (4 * t);
+  return keep;
+}
+
+}  // namespace mha_ext::device
