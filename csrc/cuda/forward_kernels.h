@@ -296,7 +296,13 @@ MHA_UNROLL
         }
       }
     } else if (p_in_registers) {  // (one row tile from here on)
-      if constexpr (std::is_same_v<T, float>) pv_tf32(o[0], s[0], v_s, kLd, lane, p.fp32_math == Fp32Math::kTf32x3);
+      if constexpr (std::is_same_v<T, float>) {
+        if (p.fp32_math == Fp32Math::kTf32x3) {
+          pv_tf32<true>(o[0], s[0], v_s, kLd, lane);
+        } else {
+          pv_tf32<false>(o[0], s[0], v_s, kLd, lane);
+        }
+      }
     } else {
       sync_warp();  // the warp's P rows are written
       warp_mma<T>(o[0], Tile2<T>{p_s + (iw_base - i0) * kLdP, kLdP, 1}, Tile2<T>{v_s, kLd, 1}, kN, lane,

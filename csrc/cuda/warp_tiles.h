@@ -114,17 +114,24 @@ MHA_UNROLL
     bf[r] = pack2(b.at(k0 + MmaLayout::b_row(lane, 2 * r), 8 * nt + MmaLayout::b_col(lane, 2 * r)),
                   b.at(k0 + MmaLayout::b_row(lane, 2 * r + 1), 8 * nt + MmaLayout::b_col(lane, 2 * r + 1)));
 }
-// x's TF32 part into big, and (3xTF32) the remainder into small (0 where
-// big is not finite)
-MHA_DEVICE void tf32_split(float f, bool x3, uint32_t& big, uint32_t& small) {
+// x's TF32 part into big, and (3xTF32, kX3) the remainder into small (0
+// where big is not finite). kX3 is a template parameter so that plain TF32
+// products carry none of the remainder's instructions.
+template <bool kX3>
+MHA_DEVICE void tf32_split(float f, uint32_t& big, uint32_t& small) {
   big = to_tf32(f);
-  const float rest = f - tf32_value(big);
-  small = x3 && rest - rest == 0.f ? to_tf32(rest) : 0u;
+  if constexpr (kX3) {
+    const float rest = f - tf32_value(big);
+    small = rest - rest == 0.f ? to_tf32(rest) : 0u;
+  } else {
+    small = 0u;
+  }
 }
 // acc += A B from the split operands: small * big + big * small (3xTF32) + big * big
+template <bool kX3>
 MHA_DEVICE void mma_tf32_terms(float (&acc)[4], const uint32_t (&a_big)[4], const uint32_t (&a_small)[4],
-                               const uint32_t (&b_big)[2], const uint32_t (&b_small)[2], bool x3) {
-  if (x3) {
+                               const uint32_t (&b_big)[2], const uint32_t (&b_small)[2]) {
+  if constexpr (kX3) {
     mma_m16n8k8_tf32(acc, a_small, b_big);
     mma_m16n8k8_tf32(acc, a_big, b_small);
   }
@@ -136,13 +143,11 @@ MHA_DEVICE void mma_tf32_terms(float (&acc)[4], const uint32_t (&a_big)[4], cons
 // otherwise; 3xTF32 splits x into big = tf32(x) and small = tf32(x - big)
 // and sums small * big + big * small + big * big (small * small, about
 // 2^-22 of the product, is left out).
-template <int NT>
-MHA_DEVICE void warp_mma_tf32(float (&acc)[NT][4], Tile2<float> a, Tile2<float> b, int K, int lane, bool scalar,
-                              Fp32Math fp32) {
+template <int NT, bool kX3>
+MHA_DEVICE void warp_mma_tf32(float (&acc)[NT][4], Tile2<float> a, Tile2<float> b, int K, int lane, bool scalar) {
   // B by ldmatrix x4 covers two n-tiles; an odd NT (a single one) loads B by plain loads
   constexpr int kStep = NT % 2 == 0 ? 2 : 1;
   scalar = kScalarOperandsBuilt && scalar;
-  const bool x3 = fp32 == Fp32Math::kTf32x3;
   const int g = lane / 4, t = lane % 4, r8 = lane % 8, m_lo = (lane / 8) % 2, m_hi = lane / 16;
 MHA_NO_UNROLL
   for (int k0 = 0; k0 < K; k0 += 8) {
@@ -154,7 +159,7 @@ MHA_UNROLL
       for (int r = 0; r < 4; ++r) ar[r] = float_bits(a.at(g + 8 * (r & 1), k0 + t + 4 * (r >> 1)));
     }
 MHA_UNROLL
-    for (int r = 0; r < 4; ++r) tf32_split(tf32_value(ar[r]), x3, a_big[r], a_small[r]);
+    for (int r = 0; r < 4; ++r) tf32_split<kX3>(tf32_value(ar[r]), a_big[r], a_small[r]);
 MHA_UNROLL
     for (int nt = 0; nt < NT; nt += kStep) {
       uint32_t br[4];  // b0, b1 of n-tile nt, then (kStep 2) of nt + 1
@@ -167,9 +172,9 @@ MHA_UNROLL
 MHA_UNROLL
       for (int h = 0; h < kStep; ++h) {
         uint32_t b_big[2], b_small[2];
-        tf32_split(tf32_value(br[2 * h]), x3, b_big[0], b_small[0]);
-        tf32_split(tf32_value(br[2 * h + 1]), x3, b_big[1], b_small[1]);
-        mma_tf32_terms(acc[nt + h], a_big, a_small, b_big, b_small, x3);
+        tf32_split<kX3>(tf32_value(br[2 * h]), b_big[0], b_small[0]);
+        tf32_split<kX3>(tf32_value(br[2 * h + 1]), b_big[1], b_small[1]);
+        mma_tf32_terms<kX3>(acc[nt + h], a_big, a_small, b_big, b_small);
       }
     }
   }
@@ -228,7 +233,8 @@ MHA_UNROLL
 template <typename T, int NT, typename A>
 MHA_DEVICE void warp_mma(A (&acc)[NT][4], Tile2<T> a, Tile2<T> b, int K, int lane, bool scalar, Fp32Math fp32) {
   if constexpr (std::is_same_v<T, float>) {
-    if (fp32 != Fp32Math::kCudaCores) return warp_mma_tf32(acc, a, b, K, lane, scalar, fp32);
+    if (fp32 == Fp32Math::kTf32) return warp_mma_tf32<NT, false>(acc, a, b, K, lane, scalar);
+    if (fp32 == Fp32Math::kTf32x3) return warp_mma_tf32<NT, true>(acc, a, b, K, lane, scalar);
   }
   if constexpr (sizeof(T) == 2) {
     const bool live[1] = {true};
@@ -259,22 +265,22 @@ MHA_UNROLL
 // fragment (c0 -> a0, c2 -> a1, c1 -> a2, c3 -> a3: no shuffles) and in V's
 // rows alike (b0 from key 2t, b1 from key 2t + 1, by plain loads; with the
 // 4-float row padding the 32 lanes hit 32 banks).
-template <int KT, int OT>
-MHA_DEVICE void pv_tf32(float (&o)[OT][4], const float (&pf)[KT][4], const float* v_s, int ld, int lane, bool x3) {
+template <bool kX3, int KT, int OT>
+MHA_DEVICE void pv_tf32(float (&o)[OT][4], const float (&pf)[KT][4], const float* v_s, int ld, int lane) {
   const int g = lane / 4, t = lane % 4;
 MHA_UNROLL
   for (int kt = 0; kt < KT; ++kt) {
     uint32_t a_big[4], a_small[4];
     const float a[4] = {pf[kt][0], pf[kt][2], pf[kt][1], pf[kt][3]};
 MHA_UNROLL
-    for (int r = 0; r < 4; ++r) tf32_split(a[r], x3, a_big[r], a_small[r]);
+    for (int r = 0; r < 4; ++r) tf32_split<kX3>(a[r], a_big[r], a_small[r]);
     const float* v0 = v_s + (8 * kt + 2 * t) * ld + g;
 MHA_UNROLL
     for (int ot = 0; ot < OT; ++ot) {
       uint32_t b_big[2], b_small[2];
-      tf32_split(v0[8 * ot], x3, b_big[0], b_small[0]);
-      tf32_split(v0[ld + 8 * ot], x3, b_big[1], b_small[1]);
-      mma_tf32_terms(o[ot], a_big, a_small, b_big, b_small, x3);
+      tf32_split<kX3>(v0[8 * ot], b_big[0], b_small[0]);
+      tf32_split<kX3>(v0[ld + 8 * ot], b_big[1], b_small[1]);
+      mma_tf32_terms<kX3>(o[ot], a_big, a_small, b_big, b_small);
     }
   }
 }
