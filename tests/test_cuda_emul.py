@@ -633,7 +633,7 @@ def test_emul_forward_rows_64_and_128_are_bit_identical(backend, dtype, shape, m
     # without a mask tensor, dropout, softcap or ALiBi, head dims 64 and 128)
     # or the general kernel's 16. A row's result depends on neither: the same
     # bits (causal and a window add tiles fully masked for some rows of a
-    # wider block, which the plain kernel's row tiles skip; rows past L in a
+    # wider block, which the plain kernel's warps skip; rows past L in a
     # warp's second row tile; dropout, which takes the general kernel; GQA),
     # and the reference holds them as everywhere else.
     q, k, v = make(shape, dtype)
@@ -772,7 +772,7 @@ def test_emul_key_splits_auto_fills_the_gpu(backend, monkeypatch):
     # not split.
     if isinstance(backend, OnCuda):
         pytest.skip("reads the emulation's launch log")
-    for name in ("MHA_EXT_CUDA_KV_SPLITS", "MHA_EXT_CUDA_FWD_ROWS", "MHA_EXT_CUDA_FWD_WARP_ROWS"):
+    for name in ("MHA_EXT_CUDA_KV_SPLITS", "MHA_EXT_CUDA_FWD_ROWS", "MHA_EXT_CUDA_FWD_WARP_ROWS", "MHA_EXT_CUDA_OPERANDS"):
         monkeypatch.delenv(name, raising=False)
     q, k, v = make((2, 4, 4, 1, 2048, 64, 64), torch.float16)
     backend.launched_grids()
@@ -787,6 +787,10 @@ def test_emul_key_splits_auto_fills_the_gpu(backend, monkeypatch):
     monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", "16")
     backend.attention(q, k, v, None, 0.0, False, None, False)
     assert backend.launched_grids() == [5, 1, 1]  # the general kernel's 64-row blocks at head dim 64
+    monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", "auto")
+    monkeypatch.setenv("MHA_EXT_CUDA_OPERANDS", "scalar")  # plain loads: the general kernel has them
+    backend.attention(q, k, v, None, 0.0, False, None, False)
+    assert backend.launched_grids() == [5, 1, 1]
 
 
 def test_emul_key_splits_setting_is_checked(backend, monkeypatch):

@@ -67,6 +67,10 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   // the warp's first query row (row tile rt: 16 rows from iw_base + 16 rt)
   // and its Q rows in shared memory
   const int64_t iw_base = i0 + static_cast<int64_t>(warp) * 16 * kRT;
+  // operands by plain loads (MHA_EXT_CUDA_OPERANDS=scalar) in the general
+  // kernel only: the launch gives such calls to it, and the plain kernel
+  // leaves the path out (at head dim 128 it cost 140 more bytes of spills)
+  const bool scalar = !kPlain && p.scalar_operands;
   const T* q_w = q_s + warp * 16 * kRT * kLd;
 
   load_tile(q_s, kLd, kM, kHeadDim, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row,
@@ -108,9 +112,10 @@ MHA_UNROLL
 
     // The plain kernel's row tiles that hold rows below L and see some key
     // of this tile (the causal / window band: begin and end grow with the
-    // row); the others skip it, as a tile of -inf scores would leave them.
-    // (The general kernel's one row tile takes every tile: skipping cost it
-    // registers.)
+    // row). A warp with none skips the tile, as a tile of -inf scores would
+    // leave it; a row tile that is not live takes P = 0 (its products still
+    // run, see warp_mma16). (The general kernel's one row tile takes every
+    // tile: skipping cost it registers.)
     bool live[kRT];
     if constexpr (kPlain) {
       bool any = false;
@@ -130,8 +135,7 @@ MHA_UNROLL
     for (int rt = 0; rt < kRT; ++rt) zero(s[rt]);
     // S = Q K^T (16-bit operands by ldmatrix: Q rows as A, K rows as B)
     if constexpr (sizeof(T) == 2) {
-      warp_mma16<T, kRT, kNT>(s, Tile2<T>{q_w, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane, p.scalar_operands,
-                              live);
+      warp_mma16<T, kRT, kNT>(s, Tile2<T>{q_w, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane, scalar);
     } else {
       warp_mma<T>(s[0], Tile2<T>{q_w, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane, p.scalar_operands,
                   p.fp32_math);
@@ -139,8 +143,11 @@ MHA_UNROLL
 
 MHA_UNROLL
     for (int rt = 0; rt < kRT; ++rt) {
-      if (!live[rt]) continue;
       A(&sr)[kNT][4] = s[rt];
+      if (!live[rt]) {  // P = 0: O and the row's max and sum stay as they are
+        zero(sr);
+        continue;
+      }
       A(&m_r)[2] = m_run[rt];
       const int64_t iw0 = iw_base + 16 * rt;
       // Scores in the softmax's units. Edge and diagonal tiles go through
@@ -278,7 +285,7 @@ MHA_UNROLL
 MHA_UNROLL
         for (int ot = 0; ot < kOT; ot += 2) {
           uint32_t vf[4];
-          if (kScalarOperandsBuilt && p.scalar_operands) {
+          if (kScalarOperandsBuilt && scalar) {
             uint32_t s0[2], s1[2];
             b_frag_scalar(s0, Tile2<T>{v_s, kLd, 1}, 16 * kk, ot, lane);
             b_frag_scalar(s1, Tile2<T>{v_s, kLd, 1}, 16 * kk, ot + 1, lane);
@@ -289,7 +296,6 @@ MHA_UNROLL
           const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
 MHA_UNROLL
           for (int rt = 0; rt < kRT; ++rt) {
-            if (!live[rt]) continue;
             mma_m16n8k16<T>(o[rt][ot], pa[rt], b0);
             mma_m16n8k16<T>(o[rt][ot + 1], pa[rt], b1);
           }

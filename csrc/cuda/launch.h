@@ -138,14 +138,15 @@ inline Fp32Math fp32_math_requested() {
 // Whether a forward call runs the plain kernel (attention_fwd_kernel's
 // kPlain: warps of 32 query rows, two row tiles sharing every K and V
 // fragment the warp loads): a call without a mask tensor, dropout, softcap,
-// ALiBi or a paged KV cache, in a type and head dim that has it (TileConfig::kFwdRowTiles:
+// ALiBi or a paged KV cache, with ldmatrix operands (MHA_EXT_CUDA_OPERANDS
+// unset or "ldmatrix"), in a type and head dim that has it (TileConfig::kFwdRowTiles:
 // 16-bit types up to head dim 128), unless MHA_EXT_CUDA_FWD_WARP_ROWS, read
 // at each launch, is "16" (the general kernel, 16 rows a warp, as before);
 // unset, "auto" or "32": wherever it can. A row's arithmetic is the same in
 // both kernels: for finite V the outputs are bit-identical (the plain
-// kernel's row tiles skip key tiles they cannot see, where the general
-// kernel adds 0 x V: an infinite V row there turns its rows NaN in the
-// general kernel only; and with key splits under causal alignment or a
+// kernel's warps skip key tiles none of their rows can see, where the
+// general kernel adds 0 x V: an infinite V row there turns its rows NaN in
+// the general kernel only; and with key splits under causal alignment or a
 // window, a block's runs follow its own visible tiles, which differ with
 // its rows: the last bits may differ there as with MHA_EXT_CUDA_FWD_ROWS).
 template <typename T, int kHeadDim>
@@ -156,7 +157,7 @@ bool fwd_plain(const AttentionFwdParams& p) {
     throw std::invalid_argument("MHA_EXT_CUDA_FWD_WARP_ROWS must be \"auto\", \"16\" or \"32\", got \"" + mode +
                                 "\"");
   return TileConfig<T, kHeadDim>::kFwdRowTiles > 1 && mode != "16" && p.mask_kind == MaskKind::kNone &&
-         !p.dropout.enabled() && !p.variant.changes_scores() && p.block_table == nullptr;
+         !p.dropout.enabled() && !p.variant.changes_scores() && p.block_table == nullptr && !p.scalar_operands;
 }
 
 // The forward's query rows per block, in 16-row slices, for element type T

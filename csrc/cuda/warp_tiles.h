@@ -180,12 +180,12 @@ MHA_UNROLL
   }
 }
 
-// 16-bit types on the tensor cores: acc[rt] += A_rt B for the row tiles rt
-// with live[rt], A_rt the 16 rows of A from row 16 rt (the warp's row
-// tiles), each B fragment loaded once for all of them.
+// 16-bit types on the tensor cores: acc[rt] += A_rt B for each row tile rt,
+// A_rt the 16 rows of A from row 16 rt (the warp's row tiles), each B
+// fragment loaded once for all of them. (Every row tile runs: a branch
+// around some of the mma made nvcc put a WARPSYNC before each of them.)
 template <typename T, int kRT, int NT>
-MHA_DEVICE void warp_mma16(float (&acc)[kRT][NT][4], Tile2<T> a, Tile2<T> b, int K, int lane, bool scalar,
-                           const bool (&live)[kRT]) {
+MHA_DEVICE void warp_mma16(float (&acc)[kRT][NT][4], Tile2<T> a, Tile2<T> b, int K, int lane, bool scalar) {
   static_assert(NT % 2 == 0, "B fragments come by ldmatrix x4, two n-tiles at a time");
   scalar = kScalarOperandsBuilt && scalar;
   const int r8 = lane % 8, m_lo = (lane / 8) % 2, m_hi = lane / 16;
@@ -196,7 +196,6 @@ MHA_NO_UNROLL
     uint32_t af[kRT][4];  // matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
 MHA_UNROLL
     for (int rt = 0; rt < kRT; ++rt) {
-      if (!live[rt]) continue;
       const Tile2<T> at{a.p + 16 * rt * a.rs, a.rs, a.cs};
       if (scalar) {
         a_frag_scalar(af[rt], at, k0, lane);
@@ -222,7 +221,6 @@ MHA_UNROLL
       const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
 MHA_UNROLL
       for (int rt = 0; rt < kRT; ++rt) {
-        if (!live[rt]) continue;
         mma_m16n8k16<T>(acc[rt][nt], af[rt], b0);
         mma_m16n8k16<T>(acc[rt][nt + 1], af[rt], b1);
       }
@@ -237,8 +235,7 @@ MHA_DEVICE void warp_mma(A (&acc)[NT][4], Tile2<T> a, Tile2<T> b, int K, int lan
     if (fp32 == Fp32Math::kTf32x3) return warp_mma_tf32<NT, true>(acc, a, b, K, lane, scalar);
   }
   if constexpr (sizeof(T) == 2) {
-    const bool live[1] = {true};
-    warp_mma16<T, 1, NT>(reinterpret_cast<float(&)[1][NT][4]>(acc), a, b, K, lane, scalar, live);
+    warp_mma16<T, 1, NT>(reinterpret_cast<float(&)[1][NT][4]>(acc), a, b, K, lane, scalar);
   } else {
     // CUDA cores: rank-1 updates over k, the accumulators in the C layout
     // (each element still sums k = 0 .. K - 1 in order).
