@@ -153,6 +153,23 @@ def test_kvcache_cuda_backend_matches_reference(device_backend, name, dtype, spl
     assert torch.equal(kc[1, 100:103], kn[1]) and torch.equal(vc[2, 250:253], vn[2])
 
 
+@pytest.mark.parametrize("name", ["causal", "window"])
+def test_kvcache_cuda_forward_warp_layouts_are_bit_identical(device_backend, name, monkeypatch):
+    # bfloat16, 40 new rows a step (a chunked prefill): the plain forward
+    # kernel (32 query rows a warp) by default, the general one (16) with
+    # MHA_EXT_CUDA_FWD_WARP_ROWS=16, each batch's keys from its own
+    # cache_seqlens; the same bits in both, and the reference's values
+    # (test_kvcache_cuda_backend_matches_reference)
+    variant = VARIANTS[name]
+    got = {}
+    for rows in ("16", "auto"):
+        monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", rows)
+        q, kc, vc, sl, kn, vn = _make(L=40, dtype=torch.bfloat16)
+        got[rows] = _run(q, kc, vc, sl, kn, vn, ops=device_backend, **variant)
+    for a, b in zip(got["16"], got["auto"]):
+        assert torch.equal(a, b)
+
+
 def test_kvcache_without_new_keys_and_empty_batches():
     q, kc, vc, _, _, _ = _make(L=2)
     sl = torch.tensor([0, 7, 300], dtype=torch.int32)  # an empty cache: output 0, lse -inf

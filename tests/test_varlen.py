@@ -148,6 +148,22 @@ def test_varlen_cuda_backend_matches_reference(device_backend, name, dtype):
     check(name, dtype, ops=device_backend)
 
 
+@pytest.mark.parametrize("name", ["causal (bottom-right)", "causal, L > S", "empty sequences"])
+def test_varlen_cuda_forward_warp_layouts_are_bit_identical(device_backend, name, monkeypatch):
+    # bfloat16 without a mask tensor: the plain forward kernel (32 query rows a
+    # warp) by default, the general one (16) with MHA_EXT_CUDA_FWD_WARP_ROWS=16;
+    # each sequence's rows the same bits in both, and the reference's values
+    # (test_varlen_cuda_backend_matches_reference)
+    q, k, v, cq, ck, slopes, kw = _build(name, torch.bfloat16)
+    go = torch.randn(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64).to(torch.bfloat16)
+    got = {}
+    for rows in ("16", "auto"):
+        monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", rows)
+        got[rows] = _run(q, k, v, cq, ck, slopes, kw, go, ops=device_backend)[:2]
+    for a, b in zip(got["16"], got["auto"]):
+        assert torch.equal(a, b)
+
+
 def test_varlen_cuda_backend_dropout_matches_reference(device_backend):
     check("empty sequences", torch.float32, dropout_p=0.3, ops=device_backend)
 
