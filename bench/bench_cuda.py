@@ -12,7 +12,8 @@ synchronised): what the first session with a GPU runs.
    forward and forward+backward, interleaved in the same process (they are read
    at each launch): MHA_EXT_CUDA_FWD_WARP_ROWS (the plain forward kernel's
    32 query rows a warp, or the general kernel's 16; at head dim 64, 16 also
-   means 64-row blocks where auto takes 128), MHA_EXT_CUDA_FWD_ROWS
+   means 64-row blocks where auto takes 128, so 16 in 128-row blocks is a
+   value of its own), MHA_EXT_CUDA_FWD_ROWS
    (64 / 128 query rows per forward block), MHA_EXT_CUDA_OPERANDS (ldmatrix / scalar operand loads), and for
    float32 MHA_EXT_CUDA_FLOAT32 (auto with TF32 off and on, 3xtf32,
    cuda-cores) beside torch's float32 (memory-efficient backend).
@@ -119,7 +120,7 @@ def switches(device, lengths, reps, gflop, times):
     default time (below 1: faster than the default)."""
     variants = [
         (torch.float16, 128, "MHA_EXT_CUDA_FWD_WARP_ROWS", ["auto", "16"]),
-        (torch.bfloat16, 64, "MHA_EXT_CUDA_FWD_WARP_ROWS", ["auto", "16"]),
+        (torch.bfloat16, 64, "MHA_EXT_CUDA_FWD_WARP_ROWS", ["auto", "16", "16&MHA_EXT_CUDA_FWD_ROWS=128"]),
         (torch.float16, 128, "MHA_EXT_CUDA_FWD_ROWS", ["auto", "64", "128"]),
         (torch.float16, 64, "MHA_EXT_CUDA_FWD_ROWS", ["auto", "64", "128"]),
         (torch.bfloat16, 128, "MHA_EXT_CUDA_OPERANDS", ["ldmatrix", "scalar"]),
@@ -138,7 +139,7 @@ def switches(device, lengths, reps, gflop, times):
                     tf32 = val.endswith("+tf32")
                     ctx = (lambda t=tf32: tf32_matmuls(t))
                     fns.append(step(mha_ext.scaled_dot_product_attention, q, k, v, g, True, backward, ctx,
-                                    {var: val.replace("+tf32", "")}))
+                                    switch_env(var, val)))
                 if dt == torch.float32:  # torch's own float32 attention beside them
                     fns.append(step(F.scaled_dot_product_attention, q, k, v, g, True, backward,
                                     lambda: torch_backend("efficient" if device.type == "cuda" else None)))
@@ -152,6 +153,17 @@ def switches(device, lengths, reps, gflop, times):
                 rows.append(row)
                 print(" | ".join(map(str, row)), flush=True)
     return table(["dtype", "HxE", "L", "B", "pass", "switch", "value: TFLOP/s (time / first value's), causal"], rows)
+
+
+def switch_env(var, val):
+    """The environment of a switches-table value: "v" sets var to v, "v+tf32"
+    also allows TF32 matmuls (the caller's context), "v&NAME=x" also sets
+    NAME (e.g. the general kernel's 16-row warps in 128-row blocks, the
+    plain kernel's block size at head dim 64)."""
+    value, *extra = val.replace("+tf32", "").split("&")
+    env = {var: value}
+    env.update(e.split("=", 1) for e in extra)
+    return env
 
 
 def decode(device, dtypes, lengths, reps, times):
