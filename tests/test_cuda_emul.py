@@ -81,6 +81,15 @@ def backend(request):
     return _load_emulation() if request.param == "emul" else OnCuda()
 
 
+def forward_threads(d, len_q, plain):
+    """Threads per block of a 16-bit forward launch (launch.h) with the block
+    size "auto" picks: the plain kernel's warps take 32 rows, the general
+    kernel's 16; d: max(E, Ev)."""
+    wide = len_q > 64 and (plain or d > 64)
+    rows = 128 if wide else 64
+    return rows if plain else 2 * rows
+
+
 def make(shape, dtype, scale=1.0):
     """q (N, Hq, L, E), k (N, Hkv, S, E), v (N, Hkv, S, Ev)."""
     n, hq, hkv, L, S, E, Ev = shape
@@ -639,6 +648,7 @@ def test_emul_forward_rows_64_and_128_are_bit_identical(backend, dtype, shape, m
     q, k, v = make(shape, dtype)
     gqa = shape[1] != shape[2]
     rng = torch.tensor([1234567, 89], dtype=torch.long)
+    monkeypatch.delenv("MHA_EXT_CUDA_OPERANDS", raising=False)
     cases = [dict(), dict(is_causal=True), dict(window=(40, 3)), dict(window=(7, 0)), dict(dropout_p=0.2)]
     for case in cases:
         win = case.get("window", (-1, -1))
@@ -678,12 +688,12 @@ def test_emul_forward_rows_64_and_128_are_bit_identical(backend, dtype, shape, m
 def test_emul_forward_warp_rows_with_key_splits_are_bit_identical(backend, monkeypatch):
     # Key splits (flash-decoding) counted in 64-row blocks whatever the
     # launch's rows per block: the plain kernel's 128-row blocks (2 here)
-    # and the general kernel's 64-row ones (3) split the keys alike (11 runs
-    # of 7 key tiles), so a non-causal row sums the same runs in the same
+    # and the general kernel's 64-row ones (3) split the keys alike (69 key
+    # tiles in 11 runs of at most 7), so a non-causal row sums the same runs in the same
     # order, and the combine gives the same bits (counted in the launch's
     # blocks, the plain kernel would make 17 runs).
-    monkeypatch.delenv("MHA_EXT_CUDA_KV_SPLITS", raising=False)
-    monkeypatch.delenv("MHA_EXT_CUDA_FWD_ROWS", raising=False)
+    for name in ("MHA_EXT_CUDA_KV_SPLITS", "MHA_EXT_CUDA_FWD_ROWS", "MHA_EXT_CUDA_OPERANDS"):
+        monkeypatch.delenv(name, raising=False)
     torch.manual_seed(11)
     q, k, v = make((1, 8, 2, 130, 4400, 64, 64), torch.bfloat16)
     args = (q, k, v, None, 0.0, False, None, True)

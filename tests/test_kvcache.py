@@ -157,15 +157,24 @@ def test_kvcache_cuda_backend_matches_reference(device_backend, name, dtype, spl
 def test_kvcache_cuda_forward_warp_layouts_are_bit_identical(device_backend, name, monkeypatch):
     # bfloat16, 40 new rows a step (a chunked prefill): the plain forward
     # kernel (32 query rows a warp) by default, the general one (16) with
-    # MHA_EXT_CUDA_FWD_WARP_ROWS=16, each batch's keys from its own
-    # cache_seqlens; the same bits in both, and the reference's values
-    # (test_kvcache_cuda_backend_matches_reference)
+    # MHA_EXT_CUDA_FWD_WARP_ROWS=16 (read from the emulation's launch log),
+    # each batch's keys from its own cache_seqlens; the same bits in both
+    # (their values against the reference:
+    # test_kvcache_cuda_backend_matches_reference)
+    from test_cuda_emul import OnCuda, forward_threads
+
     variant = VARIANTS[name]
+    for env in ("MHA_EXT_CUDA_FWD_ROWS", "MHA_EXT_CUDA_OPERANDS", "MHA_EXT_CUDA_KV_SPLITS"):
+        monkeypatch.delenv(env, raising=False)
     got = {}
     for rows in ("16", "auto"):
         monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", rows)
         q, kc, vc, sl, kn, vn = _make(L=40, dtype=torch.bfloat16)
+        if not isinstance(device_backend, OnCuda):
+            device_backend.launched_threads()
         got[rows] = _run(q, kc, vc, sl, kn, vn, ops=device_backend, **variant)
+        if not isinstance(device_backend, OnCuda):  # which forward kernel ran
+            assert device_backend.launched_threads()[0] == forward_threads(24, 40, rows == "auto"), rows
     for a, b in zip(got["16"], got["auto"]):
         assert torch.equal(a, b)
 

@@ -21,7 +21,7 @@ using namespace mha_ext::simt;
 // registers as well (pv_tf32), V by plain loads.
 //
 // kPlain: the kernel of calls without a mask tensor, dropout, softcap or
-// ALiBi (plain_call below; causal alignment, windows, key splits, varlen and
+// ALiBi (launch.h's fwd_plain; causal alignment, windows, key splits, varlen and
 // KV caches stay), 16-bit types up to head dim 128, where the launch picks
 // it. Its warps take 32 rows (TileConfig::kFwdRowTiles): the registers the
 // general kernel spends on the mask, the score variants and the dropout
@@ -113,7 +113,7 @@ MHA_UNROLL
     // The plain kernel's row tiles that hold rows below L and see some key
     // of this tile (the causal / window band: begin and end grow with the
     // row). A warp with none skips the tile, as a tile of -inf scores would
-    // leave it; a row tile that is not live takes P = 0 (its products still
+    // leave it (for finite V); a row tile that is not live takes P = 0 (its products still
     // run, see warp_mma16). (The general kernel's one row tile takes every
     // tile: skipping cost it registers.)
     bool live[kRT];
@@ -144,7 +144,7 @@ MHA_UNROLL
 MHA_UNROLL
     for (int rt = 0; rt < kRT; ++rt) {
       A(&sr)[kNT][4] = s[rt];
-      if (!live[rt]) {  // P = 0: O and the row's max and sum stay as they are
+      if (!live[rt]) {  // P = 0: the row's max and sum stay, and O for finite V
         zero(sr);
         continue;
       }

@@ -198,7 +198,8 @@ int fwd_slices(int64_t len_q, bool wide_fits, int row_tiles) {
 // tile) where "auto" would consider splitting (fewer blocks than twice the
 // multiprocessors). Never for varlen calls (their query rows are packed). The count depends on the shape, the GPU and the setting
 // alone, so a CUDA graph replays the same work; the blocks are counted as
-// 64-row blocks whatever the launch's rows per block, so that the count does
+// blocks of kFwdWarps 16-row slices (64 rows for 16-bit types) whatever the
+// launch's rows per block, so that the count does
 // not move with MHA_EXT_CUDA_FWD_ROWS / MHA_EXT_CUDA_FWD_WARP_ROWS (a
 // non-causal row then sums the same runs of tiles in every layout). (Chosen
 // without a GPU to measure on: a starting point, not a tuned one.)
