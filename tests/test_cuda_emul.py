@@ -81,13 +81,18 @@ def backend(request):
     return _load_emulation() if request.param == "emul" else OnCuda()
 
 
+def forward_block(d, len_q, plain, rows="auto"):
+    """(query rows, threads) of a 16-bit forward block (launch.h) under
+    MHA_EXT_CUDA_FWD_ROWS=rows: the plain kernel's warps take 32 rows, the
+    general kernel's 16; d: max(E, Ev)."""
+    wide = rows == "128" or (rows == "auto" and len_q > 64 and (plain or d > 64))
+    block = 128 if wide else 64
+    return block, block if plain else 2 * block
+
+
 def forward_threads(d, len_q, plain):
-    """Threads per block of a 16-bit forward launch (launch.h) with the block
-    size "auto" picks: the plain kernel's warps take 32 rows, the general
-    kernel's 16; d: max(E, Ev)."""
-    wide = len_q > 64 and (plain or d > 64)
-    rows = 128 if wide else 64
-    return rows if plain else 2 * rows
+    """Threads per block of a 16-bit forward launch with the block size "auto" picks."""
+    return forward_block(d, len_q, plain)[1]
 
 
 def make(shape, dtype, scale=1.0):
@@ -668,9 +673,9 @@ def test_emul_forward_rows_64_and_128_are_bit_identical(backend, dtype, shape, m
                 # warp) for the calls it takes, else the general one (16)
                 d, L = max(shape[5], shape[6]), shape[3]
                 plain = warp_rows == "32" and d <= 128 and "dropout_p" not in case
-                block = 64 if rows == "64" or (rows == "auto" and not plain and d < 128) else 128
+                block, threads = forward_block(d, L, plain, rows)
                 assert backend.launched_grids()[0] == -(-L // block), (case, rows, warp_rows)
-                assert backend.launched_threads()[0] == 32 * block // (32 if plain else 16), (case, rows, warp_rows)
+                assert backend.launched_threads()[0] == threads, (case, rows, warp_rows)
         for key, got in results.items():
             for a, b in zip(results["64", "16"], got):
                 assert torch.equal(a, b), (case, key)

@@ -1,4 +1,4 @@
-// The one score policy of the CUDA kernels: which keys a row sees (in_band,
+// The one score policy of the CUDA kernels: which keys a row sees (masked_score,
 // interior_tile), the score transform of the attention variants
 // (masked_score, score_slope), the softmax units (base 2 for float
 // accumulation) and the plain path's test (plain_scores), and the dropout
@@ -12,11 +12,6 @@
 namespace mha_ext::device {
 
 using namespace mha_ext::simt;
-
-// Whether row i may see key j (causal alignment and window).
-MHA_DEVICE bool in_band(const AttentionFwdParams& p, int64_t i, int64_t j) {
-  return j >= p.variant.begin(i) && j < p.variant.end(i, p.len_kv);
-}
 
 // The one score transform of the CUDA kernels (AttentionVariant): the score
 // of query row i and key column j of head (b, h) from the raw dot product s:
@@ -39,7 +34,8 @@ MHA_DEVICE A masked_score(const AttentionFwdParams& p, int64_t b, int64_t h, int
       x += static_cast<A>(to_float(as<T>(p.mask)[off]));
     }
   }
-  return in_band(p, i, j) ? x : A(-INFINITY);
+  if (j < w.begin(i) || j >= w.end(i, p.len_kv)) x = -INFINITY;
+  return x;
 }
 
 // Whether every score of rows [i_lo, i_hi] and keys [j_lo, j_hi] is the
