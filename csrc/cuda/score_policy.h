@@ -1,5 +1,5 @@
-// The one score policy of the CUDA kernels: which keys a row sees (masked_score,
-// interior_tile), the score transform of the attention variants
+// The one score policy of the CUDA kernels: which keys a row sees (interior_tile and
+// masked_score), the score transform of the attention variants
 // (masked_score, score_slope), the softmax units (base 2 for float
 // accumulation) and the plain path's test (plain_scores), and the dropout
 // draws of a fragment (Philox, as the CPU kernels draw them).
