@@ -88,14 +88,14 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   // sum here, 40.7 against 73.4 GB/s; 53-58 with all heads of 16-256 keys in
   // turn). Where such a cache is read from memory (past 32 MiB of visible
   // K/V), each split is one tile and the items go split-major: the heads of a
-  // tile run one after the other, over the same pages (1.05-1.30x). Not for
-  // bfloat16 / float16 with more than 8 rows a head, bound by arithmetic
-  // there, where the one-tile splits cost 5-15% (the README, "Decoding on a
-  // newer CPU").
+  // tile run one after the other, over the same pages (1.05-1.30x; bfloat16
+  // and float16 with 12-16 rows a head too, since the 16-row routines fetch
+  // strided rows spread over their steps: 1.10-1.30x; the README, "Decoding
+  // on a newer CPU").
   const int64_t kv_bytes =
       heads * std::max<int64_t>(kv_end - kv_begin, 0) * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t));
   const bool heads_in_rows = Hkv > 1 && p.k_stride.h < p.k_stride.row && p.v_stride.h < p.v_stride.row &&
-                             kv_bytes > (int64_t(32) << 20) && (sizeof(scalar_t) >= 4 || R <= 8);
+                             kv_bytes > (int64_t(32) << 20);
   const int64_t want = heads_in_rows ? std::max<int64_t>(tiles, 1)
                                      : std::min(std::max<int64_t>((kDecodeItems + heads - 1) / heads, 1),
                                                 std::max<int64_t>(tiles, 1));

@@ -92,6 +92,72 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 lane_step(__m512
     return dp_bcast(acc, qv, krow + 2 * e);
 }
 
+// The next block's (or value chunk's) rows, `stride` bytes apart from
+// `first`, fetched into L2 a few lines at each step of the current one:
+// lines [lo, hi) of them, row after row (each row's lines in order), spread
+// over `steps` calls. Adjacent rows (stride = row bytes) are one run of
+// lines; a (B, S, H, D) KV cache's rows, a row every H D elements, which the
+// hardware prefetcher does not follow, are fetched the same way (spread, not
+// all at once before the block: 16 query rows a key/value head, 32 x 8 x 128
+// heads: float32 1.05-1.18x, bfloat16 1.14-1.31x).
+struct RowFetch {
+  const char* row;
+  int64_t stride, lpr, col, left, per;
+  RowFetch(const char* first, int64_t stride_, int64_t row_bytes, int64_t lo, int64_t hi, int64_t steps)
+      : stride(stride_), lpr(std::max<int64_t>((row_bytes + 63) / 64, 1)), left(std::max<int64_t>(hi - lo, 0)) {
+    row = first + lo / lpr * stride;
+    col = lo % lpr;
+    per = (left + steps - 1) / std::max<int64_t>(steps, 1);
+  }
+  void operator()() {
+    for (int64_t x = 0; x < per && left > 0; ++x, --left) {
+      _mm_prefetch(row + 64 * col, _MM_HINT_T1);
+      if (++col == lpr) col = 0, row += stride;
+    }
+  }
+};
+
+// lane_step for key row 4 m + s of a whole block at a run-time stride: the
+// broadcast's address is base (row 4 m, column pair or column kI) plus s
+// rows, as x86 addressing forms it (base + index * scale + displacement:
+// s = 1, 2 from the stride, s = 3 from three times it), so that 16 rows take
+// four base registers and two index registers. Written out: left to itself
+// the compiler held the 16 row addresses in vector registers and moved one
+// back before each broadcast (a (B, S, H, D) KV cache: 7% of the score
+// routine's time sat on one such move). The asm reads the key row without
+// telling the compiler, which is sound as nothing writes keys meanwhile.
+template <typename K, int kS, int kI>
+__attribute__((target("avx512f"), always_inline)) inline __m512 lane_step_at(__m512 acc, __m512 qv, const char* base,
+                                                                            int64_t ld, int64_t ld3) {
+  constexpr int kDisp = 4 * kI;  // step kI's 4 bytes (a float32 column, a bfloat16 column pair)
+  if constexpr (std::is_same_v<K, float>) {
+    if constexpr (kS == 0) asm("vfmadd231ps %c3(%2)%{1to16%}, %1, %0" : "+v"(acc) : "v"(qv), "r"(base), "i"(kDisp));
+    if constexpr (kS == 1) asm("vfmadd231ps %c3(%2,%4,1)%{1to16%}, %1, %0" : "+v"(acc) : "v"(qv), "r"(base), "i"(kDisp), "r"(ld));
+    if constexpr (kS == 2) asm("vfmadd231ps %c3(%2,%4,2)%{1to16%}, %1, %0" : "+v"(acc) : "v"(qv), "r"(base), "i"(kDisp), "r"(ld));
+    if constexpr (kS == 3) asm("vfmadd231ps %c3(%2,%4,1)%{1to16%}, %1, %0" : "+v"(acc) : "v"(qv), "r"(base), "i"(kDisp), "r"(ld3));
+  } else {
+    if constexpr (kS == 0) asm("vdpbf16ps %c3(%2)%{1to16%}, %1, %0" : "+v"(acc) : "v"(qv), "r"(base), "i"(kDisp));
+    if constexpr (kS == 1) asm("vdpbf16ps %c3(%2,%4,1)%{1to16%}, %1, %0" : "+v"(acc) : "v"(qv), "r"(base), "i"(kDisp), "r"(ld));
+    if constexpr (kS == 2) asm("vdpbf16ps %c3(%2,%4,2)%{1to16%}, %1, %0" : "+v"(acc) : "v"(qv), "r"(base), "i"(kDisp), "r"(ld));
+    if constexpr (kS == 3) asm("vdpbf16ps %c3(%2,%4,1)%{1to16%}, %1, %0" : "+v"(acc) : "v"(qv), "r"(base), "i"(kDisp), "r"(ld3));
+  }
+  return acc;
+}
+
+// Step kI of all 16 keys (key 4 m + s from base[m]), in key order.
+template <typename K, int kI, int... J>
+__attribute__((target("avx512f"), always_inline)) inline void lane_steps_at(__m512* acc, __m512 qv,
+                                                                           const char* const* base, int64_t ld,
+                                                                           int64_t ld3, std::integer_sequence<int, J...>) {
+  ((acc[J] = lane_step_at<K, J % 4, kI>(acc[J], qv, base[J / 4], ld, ld3)), ...);
+}
+template <typename K, int... I>
+__attribute__((target("avx512f"), always_inline)) inline void lane_chunk_at(__m512* acc, const __m512* qv,
+                                                                           const char* const* base, int64_t ld,
+                                                                           int64_t ld3, std::integer_sequence<int, I...>) {
+  (lane_steps_at<K, I>(acc, qv[I], base, ld, ld3, std::make_integer_sequence<int, 16>{}), ...);
+}
+
 // The scores of 16 query rows, one a lane, with the keys of a block: qt
 // holds Q transposed (step e of the 16 rows at qt + 16 e: column e in
 // float32, the pair of columns 2 e, 2 e + 1 as one 32-bit word in
@@ -100,30 +166,38 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 lane_step(__m512
 // product that counts, no horizontal sums are needed (score_block spends 30
 // shuffles on each 16 sums), and the block's key rows are read once, not
 // once per 4 rows; the 16 sums of each key are turned into rows at the end
-// (transpose16). Keys past nc repeat the last real one (read, never
-// stored). The next block's rows (nb bytes from `ahead`, adjacent) are
-// fetched into L2 over the steps. kLd > 0: a whole block (nc = 16) of rows
-// kLd elements apart (ldk = kLd), so that every key row is one base register
-// and a constant offset: with a stride known only at run time the 16 row
+// (transpose16). The next block's rows are fetched into L2 over the steps
+// (`fetch`). How the 16 key rows are addressed (kRows):
+// - kLd > 0: a whole block (nc = 16) of rows kLd elements apart (ldk =
+//   kLd), every key row one base register and a constant offset;
+// - kStrided: a whole block at a stride known at run time, from four base
+//   registers and the stride (lane_step_at);
+// - kPartial: nc < 16 keys, those past nc repeating the last real one (read,
+//   never stored).
+// With a stride known only at run time and a row pointer each, the 16 row
 // addresses took more registers than there are, and the compiler kept them
 // in vector registers, one move back before each broadcast (32 x 8 x 128
-// heads, four query rows, K/V in the caches: float32 1.05x; bfloat16 with
-// value_rows_bf16's constant stride 1.21x, 1.01-1.08x from memory).
-template <typename K, int kLd = 0>
+// heads, four query rows, K/V in the caches: float32 1.05x against that;
+// bfloat16 with value_rows_bf16's constant stride 1.21x, 1.01-1.08x from
+// memory; a (B, S, H, D) KV cache, kStrided: float32 1.09-1.12x, bfloat16
+// 1.02-1.06x).
+constexpr int kStrided = 0, kPartial = -1;
+template <typename K, int kRows>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block_t(const float* qt, int64_t steps, const K* k,
                                                                       int64_t ldk, int64_t nc, float* s, int64_t lds,
-                                                                      const char* ahead, int64_t nb) {
+                                                                      RowFetch fetch) {
+  constexpr int64_t kPer = sizeof(float) / sizeof(K);  // columns a step
   const K* kr[16];
 #pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j) kr[j] = kLd > 0 ? k + j * kLd : k + std::min<int64_t>(j, nc - 1) * ldk;
+  for (int j = 0; j < 16; ++j) kr[j] = kRows > 0 ? k + j * kRows : k + std::min<int64_t>(j, nc - 1) * ldk;
+  const int64_t ld = ldk * static_cast<int64_t>(sizeof(K));  // bytes from a key row to the next
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
   const int64_t chunks = (steps + 7) / 8;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t e0 = 8 * c;
-    for (int64_t b = (nb * c / chunks) & ~int64_t(63), b_end = nb * (c + 1) / chunks; b < b_end; b += 64)
-      _mm_prefetch(ahead + b, _MM_HINT_T1);  // this step's share of the next block
+    fetch();  // this step's share of the next block
     if (e0 + 8 <= steps) {
       __m512 qv[8];
 #pragma GCC unroll 8
@@ -131,10 +205,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block_t(const fl
       // a step for all 16 keys, then the next: 16 independent products in a
       // row (keys in pairs, 8 steps each, ran float32 0.95-0.97x of this at
       // 32 x 8 x 128 heads, four query rows; bfloat16 0.97-1.02x)
+      if constexpr (kRows == kStrided) {
+        const char* base[4];  // key rows 0, 4, 8, 12 at step e0
+        for (int m = 0; m < 4; ++m) base[m] = reinterpret_cast<const char*>(k + 4 * m * ldk + kPer * e0);
+        lane_chunk_at<K>(acc, qv, base, ld, 3 * ld, std::make_integer_sequence<int, 8>{});
+      } else {
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < 8; ++i) {
 #pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j) acc[j] = lane_step(acc[j], qv[i], kr[j], e0 + i);
+          for (int j = 0; j < 16; ++j) acc[j] = lane_step(acc[j], qv[i], kr[j], e0 + i);
+        }
       }
     } else {  // the last steps, one at a time
       for (int64_t e = e0; e < steps; ++e) {
@@ -149,30 +229,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block_t(const fl
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) _mm512_mask_storeu_ps(s + r * lds, kc, acc[r]);
 }
-
-// The next block's (or value chunk's) `ahead` rows (row_bytes each, `stride` bytes
-// apart from `next`) into L2: rows that are not adjacent all at once
-// (fetch_rows_l2, returns 0); adjacent ones spread over the steps or passes
-// (returns their bytes, for PassFetch): a burst at each pass stalls once
-// the core's outstanding misses are all in use (4-5% slower).
-inline int64_t fetch_next_chunk(const char* next, int64_t stride, int64_t ahead, int64_t row_bytes) {
-  if (stride == row_bytes) return ahead * row_bytes;
-  fetch_rows_l2(next, stride, ahead, row_bytes);
-  return 0;
-}
-
-// Pass `pass` of `passes`' share of the nb bytes from `next`, a few lines
-// at each of its `steps` loop steps (operator()).
-struct PassFetch {
-  const char* next;
-  int64_t pf, end, per;
-  PassFetch(const char* next_, int64_t nb, int64_t pass, int64_t passes, int64_t steps)
-      : next(next_), pf((nb * pass / passes) & ~int64_t(63)), end(nb * (pass + 1) / passes),
-        per((end - pf + 64 * steps - 1) / (64 * steps)) {}
-  void operator()() {
-    for (int64_t x = 0; x < per && pf < end; ++x, pf += 64) _mm_prefetch(next + pf, _MM_HINT_T1);
-  }
-};
 
 // The line of each value row that the next pass reads first, fetched into L1
 // a row a key over this pass (the chunk is in L2 by then, fetched a chunk
@@ -208,17 +264,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) int64_t dot_rows_t(const K*
     rows_to_lanes(reinterpret_cast<const float*>(q + r0 * E), steps, steps, qt.data());
     for (int64_t c0 = 0; c0 < n; c0 += 16) {
       const int64_t ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16);  // rows of the next block
-      const char* next = reinterpret_cast<const char*>(k + (c0 + 16) * ldk);
-      const int64_t nb = fetch_next_chunk(next, ldk * static_cast<int64_t>(sizeof(K)), ahead, row_bytes);
+      const RowFetch fetch(reinterpret_cast<const char*>(k + (c0 + 16) * ldk), ldk * static_cast<int64_t>(sizeof(K)),
+                           row_bytes, 0, ahead * ((row_bytes + 63) / 64), (steps + 7) / 8);
       const int64_t nc = std::min<int64_t>(16, n - c0);
       const K* kc = k + c0 * ldk;
       float* sc = s + r0 * lds + c0;
       if (nc == 16 && ldk == E && E == 128)  // the usual head dims, rows adjacent: constant offsets
-        score_block_t<K, 128>(qt.data(), steps, kc, ldk, nc, sc, lds, next, nb);
+        score_block_t<K, 128>(qt.data(), steps, kc, ldk, nc, sc, lds, fetch);
       else if (nc == 16 && ldk == E && E == 64)
-        score_block_t<K, 64>(qt.data(), steps, kc, ldk, nc, sc, lds, next, nb);
+        score_block_t<K, 64>(qt.data(), steps, kc, ldk, nc, sc, lds, fetch);
+      else if (nc == 16)
+        score_block_t<K, kStrided>(qt.data(), steps, kc, ldk, nc, sc, lds, fetch);
       else
-        score_block_t(qt.data(), steps, kc, ldk, nc, sc, lds, next, nb);
+        score_block_t<K, kPartial>(qt.data(), steps, kc, ldk, nc, sc, lds, fetch);
     }
   }
   return r0;
@@ -232,7 +290,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) int64_t dot_rows_t(const K*
 // 16 at a time, so a chunk's rows are read 8 times, the first time from
 // memory), and each 64-byte line of a value row is read by one pass only.
 // The next chunk's rows are fetched into L2, a line or a few per key over the
-// passes (fetch_next_chunk, PassFetch).
+// passes (RowFetch).
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_rows_t(const float* p, int64_t ldp, int64_t n,
                                                                      const float* v, int64_t ldv, int64_t Ev, float* o,
                                                                      int64_t ldo) {
@@ -246,9 +304,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_rows_t(const flo
     const int64_t nj = std::min(kValueKeys, n - j0);
     const int64_t ahead = std::clamp<int64_t>(n - j0 - kValueKeys, 0, kValueKeys);  // rows of the next chunk
     const char* next = reinterpret_cast<const char*>(v + (j0 + kValueKeys) * ldv);
-    const int64_t nb = fetch_next_chunk(next, ldv * 4, ahead, Ev * 4);
+    const int64_t lines = ahead * ((Ev * 4 + 63) / 64);
     for (int64_t c0 = 0, pass = 0; c0 < Ev; c0 += 16, ++pass) {
-      PassFetch fetch(next, nb, pass, passes, nj);  // a line or a few a key
+      RowFetch fetch(next, ldv * 4, Ev * 4, lines * pass / passes, lines * (pass + 1) / passes,
+                     nj);  // a line or a few a key
       const int64_t cols = std::min<int64_t>(16, Ev - c0);
       int64_t ci[16];  // columns past cols repeat the last real one (summed, never stored)
       for (int c = 0; c < 16; ++c) ci[c] = c0 + std::min<int64_t>(c, cols - 1);
@@ -314,9 +373,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_rows_
     const int64_t nj = std::min(kValueKeys, n - j0);
     const int64_t ahead = std::clamp<int64_t>(n - j0 - kValueKeys, 0, kValueKeys);  // rows of the next chunk
     const char* next = reinterpret_cast<const char*>(v + (j0 + kValueKeys) * ldv);
-    const int64_t nb = fetch_next_chunk(next, ldv * 2, ahead, Ev * 2);
+    const int64_t lines = ahead * ((Ev * 2 + 63) / 64);
     for (int64_t c0 = 0, pass = 0; c0 < Ev; c0 += 16, ++pass) {
-      PassFetch fetch(next, nb, pass, passes, (nj + 1) / 2);  // over its key pairs
+      RowFetch fetch(next, ldv * 2, Ev * 2, lines * pass / passes, lines * (pass + 1) / passes,
+                     (nj + 1) / 2);  // over its key pairs
       const __mmask16 mc = lanes(Ev - c0);
       __m512 acc[16];
 #pragma GCC unroll 16
