@@ -102,9 +102,9 @@ def test_kvcache_sixteen_rows_a_group(name):
 
 
 @pytest.mark.parametrize("dtype,hq,L", [(torch.float32, 8, 1), (torch.float32, 16, 4), (torch.bfloat16, 8, 2),
-                                        (torch.bfloat16, 16, 4)],
+                                        (torch.bfloat16, 16, 4), (torch.float16, 16, 4)],
                          ids=["float32, one row a head", "float32, 16 rows a head", "bfloat16, 4 rows a head",
-                              "bfloat16, 16 rows a head"])
+                              "bfloat16, 16 rows a head", "float16, 16 rows a head"])
 @pytest.mark.parametrize("name", ["plain", "causal", "softcap"])
 def test_kvcache_past_the_caches(name, dtype, hq, L):
     # visible K/V past 32 MiB in a (B, S, H, D) cache: one tile a split, the
