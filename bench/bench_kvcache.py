@@ -13,6 +13,13 @@ numbers of keys (one long among short ones), mha_ext.kvcache_attention
 against F.scaled_dot_product_attention on the padded cache with a key mask
 (what a torch user runs for such a batch), calls interleaved, medians.
 
+A third: one step of 1 or 4 query rows a head (4 or 16 rows a key/value
+head) against a full (B, S, H, D) cache and the same cache stored head-major
+((B, H, S, D) in memory, passed as (B, S, H, D) views), beside a streaming
+read, interleaved, medians.
+
+    python bench/bench_kvcache.py --tables layout   # only that table
+
 Writes markdown to bench/out/kvcache.md and prints it.
 """
 import argparse
@@ -105,23 +112,53 @@ def ragged_rows(reps):
     return rows
 
 
+def layout_rows(reps):
+    """Markdown rows: one step of L query rows a head against a full (B, S, H, D) cache and the same
+    cache stored head-major, with a streaming read run between them in each rep."""
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for B, S in ((1, 32768), (4, 16384)):
+            for L in (1, 4):
+                hq, hkv, D = 32, 8, 128
+                g = torch.Generator().manual_seed(0)
+                q = torch.randn(B, L, hq, D, generator=g).to(dtype)
+                kc, vc = (torch.randn(B, S, hkv, D, generator=g).to(dtype) for _ in range(2))
+                kh, vh = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (kc, vc))
+                sl = torch.full((B,), S - L, dtype=torch.int32)  # the step's rows are the cache's last L
+                fns = [lambda: mha_ext.kvcache_attention(q, kc, vc, sl),
+                       lambda: mha_ext.kvcache_attention(q, kh, vh, sl), bench_decode.stream_read]
+                ta, th, ts = median_times(fns, reps)
+                kv = 2 * B * S * hkv * D * kc.element_size()
+                sb = bench_decode.STREAM.numel() * 4 / ts / 1e9
+                rows.append(f"| {str(dtype).replace('torch.', '')} | {B}, {hq}, {hkv}, {D} | {S} | {L} | "
+                            f"{ta * 1e3:.3f} | {th * 1e3:.3f} | {th / ta:.2f} | {kv / ta / 1e9:.1f} | "
+                            f"{kv / th / 1e9:.1f} | {sb:.1f} | {100 * kv / ta / 1e9 / sb:.0f}% | "
+                            f"{100 * kv / th / 1e9 / sb:.0f}% |")
+                print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tables", default="loop,ragged,layout", help="which tables, comma-separated")
     args = ap.parse_args()
+    tables = set(args.tables.split(","))
     steps, prompt = (64, 512) if args.quick else (512, 1024)
     shapes = [(1, 32, 8, 128), (4, 32, 8, 128), (4, 12, 12, 64)]
     lines = [f"# KV-cache decode loop, {datetime.date.today()}", "",
              f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, mha_ext CPU path "
-             f"{mha_ext.ops.cpu_isa()}; `python bench/bench_kvcache.py {' '.join(sys.argv[1:])}`; {steps} steps of one "
-             f"token after a {prompt}-token prompt, whole loops interleaved, medians of {args.reps}. In place: "
+             f"{mha_ext.ops.cpu_isa()}; `python bench/bench_kvcache.py {' '.join(sys.argv[1:])}`. The decode loop: "
+             f"{steps} steps of one token after a {prompt}-token prompt, whole loops interleaved, medians of {args.reps}. In place: "
              "mha_ext.kvcache_attention writing each step's key and value into a preallocated cache; concatenating: "
              "the history concatenated every step (transformers' DynamicCache), then attention; paged: the "
              "same op on a pool of 256-row blocks at shuffled places (block_table), read in place.", "",
              "| dtype | B, Hq, Hkv, D | in place ms/step | concat + torch SDPA ms/step | concat + mha_ext SDPA ms/step "
              "| torch / in place | paged ms/step | paged / in place |", "|---|---|---|---|---|---|---|---|"]
-    for dtype in (torch.float32, torch.bfloat16):
+    if "loop" not in tables:  # the machine and the command only
+        lines = lines[:2] + [lines[2].split(" The decode loop:")[0]]
+    for dtype in (torch.float32, torch.bfloat16) if "loop" in tables else ():
         for B, hq, hkv, D in shapes:
             fns = loops(B, hq, hkv, D, prompt, steps, dtype)
             times = [[] for _ in fns]
@@ -142,8 +179,18 @@ def main():
               "with both layouts' K/V rate as a share of it.", "",
               "| dtype | B, Hq, Hkv, D | cache lengths | mha_ext ms | torch SDPA + mask ms | torch / mha_ext | "
               "mha_ext K/V GB/s | head-major cache K/V GB/s | stream GB/s | % of stream | head-major % of stream |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += ragged_rows(3 * args.reps)
+              "|---|---|---|---|---|---|---|---|---|---|---|"] if "ragged" in tables else []
+    if "ragged" in tables:
+        lines += ragged_rows(3 * args.reps)
+    if "layout" in tables:
+        lines += ["", "One step of L query rows a head (4 L rows a key/value head) against a full (B, S, H, D) "
+                  "cache and the same cache stored head-major ((B, H, S, D) in memory, passed as (B, S, H, D) "
+                  f"views), with a streaming read (a sum over 512 MiB of float32) between them; medians of "
+                  f"{3 * args.reps} interleaved reps.", "",
+                  "| dtype | B, Hq, Hkv, D | S | L | (B, S, H, D) ms | head-major ms | head-major / (B, S, H, D) "
+                  "| (B, S, H, D) K/V GB/s | head-major K/V GB/s | stream GB/s | (B, S, H, D) % of stream "
+                  "| head-major % of stream |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += layout_rows(3 * args.reps)
     write_report("kvcache.md", lines)
 
 
