@@ -88,10 +88,11 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   // sum here, 40.7 against 73.4 GB/s; 53-58 with all heads of 16-256 keys in
   // turn). Where such a cache is read from memory (past 32 MiB of visible
   // K/V), each split is one tile and the items go split-major: the heads of a
-  // tile run one after the other, over the same pages (1.05-1.30x; bfloat16
-  // and float16 with 12-16 rows a head too, since the 16-row routines fetch
-  // strided rows spread over their steps: 1.10-1.30x; the README, "Decoding
-  // on a newer CPU").
+  // tile run one after the other, over the same pages (1.05-1.30x). bfloat16
+  // and float16 with more than 8 rows a head too, once bound by arithmetic
+  // and left out: since the 16-row routines fetch strided rows spread over
+  // their steps, split-major ran bfloat16 with 12 and 16 rows 1.10-1.30x and
+  // float16 with 16 rows 1.15-1.20x (the README, "Decoding on a newer CPU").
   const int64_t kv_bytes =
       heads * std::max<int64_t>(kv_end - kv_begin, 0) * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t));
   const bool heads_in_rows = Hkv > 1 && p.k_stride.h < p.k_stride.row && p.v_stride.h < p.v_stride.row &&

@@ -168,8 +168,8 @@ __attribute__((target("avx512f"), always_inline)) inline void lane_chunk_at(__m5
 // once per 4 rows; the 16 sums of each key are turned into rows at the end
 // (transpose16). The next block's rows are fetched into L2 over the steps
 // (`fetch`). How the 16 key rows are addressed (kRows):
-// - kLd > 0: a whole block (nc = 16) of rows kLd elements apart (ldk =
-//   kLd), every key row one base register and a constant offset;
+// - kRows > 0: a whole block (nc = 16) of rows kRows elements apart (ldk =
+//   kRows), every key row one base register and a constant offset;
 // - kStrided: a whole block at a stride known at run time, from four base
 //   registers and the stride (lane_step_at);
 // - kPartial: nc < 16 keys, those past nc repeating the last real one (read,
@@ -353,7 +353,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_rows_t(const flo
 // L2 as in value_rows_t. A last odd key pairs with a zero row, never read.
 // At most kPairKeys keys a call, P's rows kPairKeys / 2 words apart: a
 // constant, so that the 16 rows' broadcasts take one base register and
-// constant offsets (as score_block_t's kLd).
+// constant offsets (as score_block_t's kRows > 0).
 constexpr int64_t kPairKeys = 256;
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_rows_bf16(
     const float* p, int64_t ldp, int64_t n, const uint16_t* v, int64_t ldv, int64_t Ev, float* o, int64_t ldo) {
