@@ -4,6 +4,7 @@
 // entry points of the one-row-a-lane routines. Empty without MHA_X86.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "x86_intrinsics.h"
@@ -49,6 +50,35 @@ inline void fetch_rows_l2(const void* first, int64_t stride, int64_t rows, int64
 }
 
 
+// Rows `stride` bytes apart from `first`, fetched a few lines at each step
+// of the current block or chunk: lines [lo, hi) of them, row after row (each
+// row's lines in order), spread over `steps` calls (operator()); into L2
+// (kHint = _MM_HINT_T1) or L1 (_MM_HINT_T0). Adjacent rows (stride = row
+// bytes) are one run of lines. Uses: the next block's (chunk's) rows in the
+// 16-row routines (rows_lanes_cpu.cpp), adjacent or in a (B, S, H, D) KV
+// cache, whose rows (one every H D elements) the hardware prefetcher does
+// not follow (spread rather than all at once before the block: 16 query rows
+// a key/value head, 32 x 8 x 128 heads: float32 1.05-1.18x, bfloat16
+// 1.14-1.31x); and the page-ahead fetch of float32 rows (fetch_page_ahead).
+template <int kHint = _MM_HINT_T1>
+struct RowFetch {
+  const char* row = nullptr;
+  int64_t stride = 0, lpr = 1, col = 0, left = 0, per = 0;
+  RowFetch() = default;  // fetches nothing
+  RowFetch(const char* first, int64_t stride_, int64_t row_bytes, int64_t lo, int64_t hi, int64_t steps)
+      : stride(stride_), lpr(std::max<int64_t>((row_bytes + 63) / 64, 1)), left(std::max<int64_t>(hi - lo, 0)) {
+    row = first + lo / lpr * stride;
+    col = lo % lpr;
+    per = (left + steps - 1) / std::max<int64_t>(steps, 1);
+  }
+  void operator()() {
+    for (int64_t x = 0; x < per && left > 0; ++x, --left) {
+      _mm_prefetch(row + 64 * col, static_cast<_mm_hint>(kHint));
+      if (++col == lpr) col = 0, row += stride;
+    }
+  }
+};
+
 // Adjacent rows read in address order, a block at a time: as a block of
 // `bytes` bytes at `block` starts, the same bytes a page (4 KiB) further on
 // are fetched into L1. The hardware's stream prefetcher stops at each 4 KiB
@@ -57,11 +87,18 @@ inline void fetch_rows_l2(const void* first, int64_t stride, int64_t rows, int64
 // fetched a page ahead, a one-row a head decode (12 x 64 heads, S = 32k) read
 // bfloat16 K/V 1.7x and float32 1.3x faster (AMD EPYC family 26, the README,
 // "Decoding on a newer CPU"). Into L1 did better than into L2, 2-16 KiB ahead
-// within noise of each other.
+// within noise of each other. Float32 rows take them spread over the block's
+// keys instead (page_ahead_spread): 128-256 prefetches at once stalled once
+// the core's outstanding misses were in use (12% of a profile of one row a
+// head, 32 x 8 x 128); bfloat16 ran slower spread (0.78-0.89x).
 constexpr int64_t kFetchAhead = 4096;
 inline void fetch_page_ahead(const void* block, int64_t bytes) {
   const char* c = static_cast<const char*>(block) + kFetchAhead;
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+// The same lines, a few at each of `keys` calls.
+inline RowFetch<_MM_HINT_T0> page_ahead_spread(const void* block, int64_t bytes, int64_t keys) {
+  return RowFetch<_MM_HINT_T0>(static_cast<const char*>(block) + kFetchAhead, bytes, bytes, 0, (bytes + 63) / 64, keys);
 }
 
 // Float32 query rows in groups of 16, one a lane (rows_lanes_cpu.cpp); each
