@@ -147,17 +147,18 @@ def main():
     tables = set(args.tables.split(","))
     steps, prompt = (64, 512) if args.quick else (512, 1024)
     shapes = [(1, 32, 8, 128), (4, 32, 8, 128), (4, 12, 12, 64)]
-    lines = [f"# KV-cache decode loop, {datetime.date.today()}", "",
-             f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, mha_ext CPU path "
-             f"{mha_ext.ops.cpu_isa()}; `python bench/bench_kvcache.py {' '.join(sys.argv[1:])}`. The decode loop: "
-             f"{steps} steps of one token after a {prompt}-token prompt, whole loops interleaved, medians of {args.reps}. In place: "
-             "mha_ext.kvcache_attention writing each step's key and value into a preallocated cache; concatenating: "
-             "the history concatenated every step (transformers' DynamicCache), then attention; paged: the "
-             "same op on a pool of 256-row blocks at shuffled places (block_table), read in place.", "",
-             "| dtype | B, Hq, Hkv, D | in place ms/step | concat + torch SDPA ms/step | concat + mha_ext SDPA ms/step "
-             "| torch / in place | paged ms/step | paged / in place |", "|---|---|---|---|---|---|---|---|"]
-    if "loop" not in tables:  # the machine and the command only
-        lines = lines[:2] + [lines[2].split(" The decode loop:")[0]]
+    machine = (f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, mha_ext CPU path "
+               f"{mha_ext.ops.cpu_isa()}; `python bench/bench_kvcache.py {' '.join(sys.argv[1:])}`.")
+    lines = [f"# KV-cache decode loop, {datetime.date.today()}", "", machine]
+    if "loop" in tables:
+        lines[-1] += (
+            f" The decode loop: {steps} steps of one token after a {prompt}-token prompt, whole loops interleaved, "
+            f"medians of {args.reps}. In place: mha_ext.kvcache_attention writing each step's key and value into a "
+            "preallocated cache; concatenating: the history concatenated every step (transformers' DynamicCache), "
+            "then attention; paged: the same op on a pool of 256-row blocks at shuffled places (block_table), read "
+            "in place.")
+        lines += ["", "| dtype | B, Hq, Hkv, D | in place ms/step | concat + torch SDPA ms/step | concat + mha_ext SDPA "
+                  "ms/step | torch / in place | paged ms/step | paged / in place |", "|---|---|---|---|---|---|---|---|"]
     for dtype in (torch.float32, torch.bfloat16) if "loop" in tables else ():
         for B, hq, hkv, D in shapes:
             fns = loops(B, hq, hkv, D, prompt, steps, dtype)

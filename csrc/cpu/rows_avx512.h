@@ -92,14 +92,12 @@ struct RowFetch {
 // the core's outstanding misses were in use (12% of a profile of one row a
 // head, 32 x 8 x 128); bfloat16 ran slower spread (0.78-0.89x).
 constexpr int64_t kFetchAhead = 4096;
-inline void fetch_page_ahead(const void* block, int64_t bytes) {
-  const char* c = static_cast<const char*>(block) + kFetchAhead;
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-}
-// The same lines, a few at each of `keys` calls.
+// Those lines, a few at each of `keys` calls.
 inline RowFetch<_MM_HINT_T0> page_ahead_spread(const void* block, int64_t bytes, int64_t keys) {
   return RowFetch<_MM_HINT_T0>(static_cast<const char*>(block) + kFetchAhead, bytes, bytes, 0, (bytes + 63) / 64, keys);
 }
+// All of them at once.
+inline void fetch_page_ahead(const void* block, int64_t bytes) { page_ahead_spread(block, bytes, 1)(); }
 
 // Float32 query rows in groups of 16, one a lane (rows_lanes_cpu.cpp); each
 // returns how many of the R rows it took (a multiple of 16), the caller
