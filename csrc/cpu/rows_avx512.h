@@ -59,7 +59,7 @@ inline void fetch_rows_l2(const void* first, int64_t stride, int64_t rows, int64
 // cache, whose rows (one every H D elements) the hardware prefetcher does
 // not follow (spread rather than all at once before the block: 16 query rows
 // a key/value head, 32 x 8 x 128 heads: float32 1.05-1.18x, bfloat16
-// 1.14-1.31x); and the page-ahead fetch of float32 rows (fetch_page_ahead).
+// 1.14-1.31x).
 template <int kHint = _MM_HINT_T1>
 struct RowFetch {
   const char* row = nullptr;
@@ -79,25 +79,28 @@ struct RowFetch {
   }
 };
 
-// Adjacent rows read in address order, a block at a time: as a block of
-// `bytes` bytes at `block` starts, the same bytes a page (4 KiB) further on
-// are fetched into L1. The hardware's stream prefetcher stops at each 4 KiB
-// page and learns the stream again on the next (a profile of a one-row
-// bfloat16 decode put half the score routine's time on one load a block);
-// fetched a page ahead, a one-row a head decode (12 x 64 heads, S = 32k) read
-// bfloat16 K/V 1.7x and float32 1.3x faster (AMD EPYC family 26, the README,
-// "Decoding on a newer CPU"). Into L1 did better than into L2, 2-16 KiB ahead
-// within noise of each other. Float32 rows take them spread over the block's
-// keys instead (page_ahead_spread): 128-256 prefetches at once stalled once
-// the core's outstanding misses were in use (12% of a profile of one row a
-// head, 32 x 8 x 128); bfloat16 ran slower spread (0.78-0.89x).
+// Adjacent rows read in address order: as each row is read, the same bytes
+// a page (4 KiB) further on are fetched into L1, a line per 64 bytes, by
+// the row's own reader (PageAhead, called with the row). The hardware's
+// stream prefetcher stops at each 4 KiB page and learns the stream again on
+// the next (a profile of a one-row bfloat16 decode put half the score
+// routine's time on one load a block); fetched a page ahead, a one-row a head
+// decode (12 x 64 heads, S = 32k) read bfloat16 K/V 1.7x and float32 1.3x
+// faster (AMD EPYC family 26, the README, "Decoding on a newer CPU"). Into
+// L1 did better than into L2, 2-16 KiB ahead within noise of each other.
+// Issued as a block (chunk) started, the lines stalled once the core's
+// outstanding misses were in use, and spread over the block's keys by a
+// RowFetch its loop's bookkeeping cost more than the fetches where the rows
+// sit in the caches; a row's lines at the row cost neither (the README,
+// "Decoding").
 constexpr int64_t kFetchAhead = 4096;
-// Those lines, a few at each of `keys` calls.
-inline RowFetch<_MM_HINT_T0> page_ahead_spread(const void* block, int64_t bytes, int64_t keys) {
-  return RowFetch<_MM_HINT_T0>(static_cast<const char*>(block) + kFetchAhead, bytes, bytes, 0, (bytes + 63) / 64, keys);
-}
-// All of them at once.
-inline void fetch_page_ahead(const void* block, int64_t bytes) { page_ahead_spread(block, bytes, 1)(); }
+struct PageAhead {
+  int64_t bytes = 0;  // of each row (0: fetches nothing)
+  void operator()(const void* row) const {
+    const char* at = static_cast<const char*>(row) + kFetchAhead;
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+  }
+};
 
 // Float32 query rows in groups of 16, one a lane (rows_lanes_cpu.cpp); each
 // returns how many of the R rows it took (a multiple of 16), the caller

@@ -22,9 +22,7 @@ namespace mha_ext {
 namespace cpu {
 namespace {
 #if MHA_X86
-using rows::fetch_page_ahead;
-using rows::page_ahead_spread;
-using PageFetch = rows::RowFetch<_MM_HINT_T0>;
+using rows::PageAhead;
 using rows::fetch_row_l2;
 using rows::fetch_rows_l2;
 using rows::kValueKeys;
@@ -120,14 +118,14 @@ __attribute__((target("avx512f"))) inline __m512 dot_step(__m512 acc, __m512 q, 
 // acc[r KB + C] += the dot products of key row k with query rows qr[r]:
 // the key row read whole, in address order (its columns once for the RB
 // rows; the query columns come from L1 each time); meanwhile the row at
-// `ahead` (unless null) is fetched into L2, and this key's share of `page`.
+// `ahead` (unless null) is fetched into L2, and the row a page on (`page`).
 // C is a constant, so that the accumulators stay in registers.
 template <int kKind, int RB, int KB, int C>
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void key_dot(
     __m512* acc, const typename ScoreKind<kKind>::Q* const* qr, const typename ScoreKind<kKind>::K* k, int64_t E,
-    const void* ahead, PageFetch& page) {
+    const void* ahead, const PageAhead& page) {
   constexpr int64_t kStep = ScoreKind<kKind>::kCols;
-  page();
+  page(k);
   if (ahead != nullptr) fetch_row_l2(ahead, E * static_cast<int64_t>(sizeof(*k)));
   int64_t e = 0;
   for (; e + kStep <= E; e += kStep) {
@@ -143,7 +141,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 template <int kKind, int RB, int KB, bool kFetch, int... C>
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void keys_dot(
     __m512* acc, const typename ScoreKind<kKind>::Q* const* qr, const typename ScoreKind<kKind>::K* k, int64_t ldk,
-    int64_t nk, int64_t E, int64_t n_ahead, PageFetch& page, std::integer_sequence<int, C...>) {
+    int64_t nk, int64_t E, int64_t n_ahead, const PageAhead& page, std::integer_sequence<int, C...>) {
   (key_dot<kKind, RB, KB, C>(acc, qr, k + std::min<int64_t>(C, nk - 1) * ldk, E,
                              kFetch && C < n_ahead ? k + (C + 16) * ldk : nullptr, page),
    ...);
@@ -158,12 +156,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // order). Keys past nc repeat the last real one (read, never stored). The
 // first n_ahead rows of the next block (16 keys on) are fetched into L2
 // where kFetch (an instantiation of its own: the fetches cost the others
-// registers, and those passes never fetch); `page`, a share at each key.
+// registers, and those passes never fetch); `page`, each key row a page on.
 template <int kKind, int RB, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const typename ScoreKind<kKind>::Q* q, int64_t E,
                                                                     const typename ScoreKind<kKind>::K* k, int64_t ldk,
                                                                     int64_t nc, float* s, int64_t lds,
-                                                                    int64_t n_ahead, PageFetch& page) {
+                                                                    int64_t n_ahead, const PageAhead& page) {
   constexpr int KB = 16 / RB;
   const typename ScoreKind<kKind>::Q* qr[RB];
   for (int r = 0; r < RB; ++r) qr[r] = q + r * E;
@@ -185,8 +183,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const type
 // S (R x n, row stride lds) = Q K^T by blocks of 16 keys: four query rows at a
 // time (4 x 4 sub-blocks), then two (2 x 8), then one (1 x 16). The block's
 // key rows stay in L1 for the next query rows; the next block's are fetched
-// into L2 (fetch_row_l2, fetch_rows_l2), adjacent rows a page on into L1
-// (fetch_page_ahead; float32 rows spread over the first pass's keys).
+// into L2 (fetch_row_l2, fetch_rows_l2), adjacent rows a page on into L1 by
+// the block's first pass (PageAhead).
 template <int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const typename ScoreKind<kKind>::Q* q,
                                                                         int64_t R, int64_t E,
@@ -203,15 +201,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
   // block's rows a row a key where it is a pass of four rows, else all at
   // once before it
   const bool spread = !adjacent && R >= 4;
+  const PageAhead page{adjacent ? E * static_cast<int64_t>(sizeof(*k)) : 0}, none;
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
     const int64_t nc = std::min<int64_t>(16, n - c0);
     int64_t ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16);  // rows of the next block
-    PageFetch page;  // (taken up by the block's first pass)
-    if (adjacent && kKind == 0)
-      page = page_ahead_spread(k + c0 * ldk, nc * E * static_cast<int64_t>(sizeof(*k)), nc);
-    else if (adjacent)
-      fetch_page_ahead(k + c0 * ldk, nc * E * static_cast<int64_t>(sizeof(*k)));
-    else if (!spread)
+    if (!adjacent && !spread)
       fetch_rows_l2(k + (c0 + 16) * ldk, ldk * static_cast<int64_t>(sizeof(*k)), std::exchange(ahead, 0),
                     E * static_cast<int64_t>(sizeof(*k)));
     for (int64_t r0 = 0; r0 < R;) {
@@ -221,14 +215,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
       const auto* qr = q + r0 * E;
       const auto* kc = k + c0 * ldk;
       float* sc = s + r0 * lds + c0;
+      const PageAhead& pg = r0 == 0 ? page : none;
       if (na > 0)
-        score_block<kKind, 4, true>(qr, E, kc, ldk, nc, sc, lds, na, page);
+        score_block<kKind, 4, true>(qr, E, kc, ldk, nc, sc, lds, na, pg);
       else if (rb == 4)
-        score_block<kKind, 4>(qr, E, kc, ldk, nc, sc, lds, 0, page);
+        score_block<kKind, 4>(qr, E, kc, ldk, nc, sc, lds, 0, pg);
       else if (rb == 2)
-        score_block<kKind, 2>(qr, E, kc, ldk, nc, sc, lds, 0, page);
+        score_block<kKind, 2>(qr, E, kc, ldk, nc, sc, lds, 0, pg);
       else
-        score_block<kKind, 1>(qr, E, kc, ldk, nc, sc, lds, 0, page);
+        score_block<kKind, 1>(qr, E, kc, ldk, nc, sc, lds, 0, pg);
       r0 += rb;
     }
   }
@@ -282,12 +277,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // Rows past rr repeat the last real one (computed, never stored). The same
 // columns of the first n_ahead rows of the next chunk (kValueKeys rows on)
 // are fetched into L2 (fetch_row_l2) where kFetch (as score_block); `page`,
-// a share at each key.
+// each value row a page on.
 template <int kKind, int RB, int NP, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const float* p, int64_t ldp, int64_t rr,
                                                                     int64_t nj, const char* v, int64_t ldv_bytes,
                                                                     int64_t cols, float* o, int64_t ldo,
-                                                                    int64_t n_ahead, PageFetch& page) {
+                                                                    int64_t n_ahead, const PageAhead& page) {
   const float* pr[RB];
   for (int r = 0; r < RB; ++r) pr[r] = p + std::min<int64_t>(r, rr - 1) * ldp;
   __m512 acc[RB][2 * NP];
@@ -296,7 +291,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const floa
   __mmask16 mk[2 * NP];  // the real columns of each register
   for (int x = 0; x < 2 * NP; ++x) mk[x] = lanes(cols - 16 * x);
   for (int64_t j = 0; j < nj; ++j) {
-    page();
+    page(v + j * ldv_bytes);
     if constexpr (kFetch)
       if (j < n_ahead) fetch_row_l2(v + (j + kValueKeys) * ldv_bytes, cols * (kKind == 0 ? 4 : 2));
     __m512 pb[RB];
@@ -339,12 +334,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const floa
 // Rows j and j + 1 are interleaved by 16-bit unpacks, which work within
 // 128-bit lanes: the low unpack holds columns 8 L .. 8 L + 3 of lane L, the
 // high one 8 L + 4 .. 8 L + 7, sorted back on the way out. An odd last key
-// pairs with a zero row, never read. Same signature as value_block (`page`
-// is empty here: bfloat16 rows take the page-ahead fetch at once).
+// pairs with a zero row, never read. Same signature as value_block.
 template <int RB, int NP, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_block_dp(
     const float* p, int64_t ldp, int64_t rr, int64_t nj, const char* v, int64_t ldv_bytes, int64_t cols, float* o,
-    int64_t ldo, int64_t n_ahead, PageFetch& /*page*/) {
+    int64_t ldo, int64_t n_ahead, const PageAhead& page) {
   alignas(64) uint16_t pb[RB][kValueKeys];  // P rows in bfloat16, zero past nj
   for (int r = 0; r < RB; ++r) {
     const float* pr = p + std::min<int64_t>(r, rr - 1) * ldp;
@@ -360,6 +354,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_block
     const uint16_t* v0 = reinterpret_cast<const uint16_t*>(v + j * ldv_bytes);
     const uint16_t* v1 = reinterpret_cast<const uint16_t*>(v + (j + 1) * ldv_bytes);
     const bool two = j + 1 < nj;
+    page(v0);
+    if (two) page(v1);
     if constexpr (kFetch)
       for (int64_t x = j; x < j + 2 && x < n_ahead; ++x) fetch_row_l2(v + (x + kValueKeys) * ldv_bytes, cols * 2);
     __m512i pw[RB];  // (P[j], P[j + 1]) of row r in every 32-bit lane
@@ -405,7 +401,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_block
 template <int kKind, int RB, int NP, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void value_rows(
     const float* p, int64_t ldp, int64_t rr, int64_t nj, const char* v, int64_t ldv_bytes, int64_t cols, float* o,
-    int64_t ldo, int64_t n_ahead, PageFetch& page) {
+    int64_t ldo, int64_t n_ahead, const PageAhead& page) {
   if constexpr (kKind == 3 && RB > 1)
     value_block_dp<RB, NP, kFetch>(p, ldp, rr, nj, v, ldv_bytes, cols, o, ldo, n_ahead, page);
   else
@@ -417,8 +413,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // rest: 8 rows at a time with up to 32 columns, 4 with up to 64, 2 with up
 // to 128, else 1 row and 256 columns at a time; a last single row alone,
 // over the columns it has. The next chunk's rows are fetched into L2
-// (fetch_row_l2, fetch_rows_l2), adjacent rows a page on into L1
-// (fetch_page_ahead; float32 rows spread over the first pass's keys).
+// (fetch_row_l2, fetch_rows_l2), adjacent rows a page on into L1 by the
+// chunk's first pass (PageAhead).
 template <int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const float* p, int64_t R, int64_t n,
                                                                          int64_t ldp, const void* v, int64_t ldv,
@@ -449,42 +445,39 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
       // where it is a pass of 4 or 2 rows, else all at once here
       const int64_t rb0 = pass_rows(R, cols);
       const bool spread = ldv != Ev && (rb0 == 4 || rb0 == 2);
-      PageFetch page;  // (taken up by the chunk's first pass)
-      if (ldv == Ev && kKind == 0) {
-        if (c0 == 0) page = page_ahead_spread(vc, nj * ldv_bytes, nj);
-      } else if (ldv == Ev) {
-        if (c0 == 0) fetch_page_ahead(vc, nj * ldv_bytes);
-      } else if (!spread) {
+      const PageAhead page{ldv == Ev ? cols * elem : 0}, none;
+      if (ldv != Ev && !spread) {
         fetch_rows_l2(vc + kValueKeys * ldv_bytes, ldv_bytes, std::exchange(ahead, 0), cols * elem);
       }
       for (int64_t r0 = 0; r0 < R;) {
         const float* pr = p + r0 * ldp + j0;
         float* orow = o + r0 * ldo + c0;
         const int64_t rr = R - r0, rb = pass_rows(rr, cols);
+        const PageAhead& pg = r0 == 0 ? page : none;
         // (adjacent rows: the second of 3 or more passes, of 4 or 2 rows, fetches)
         const int64_t na =
             (spread ? r0 == 0 : r0 > 0 && rr > rb && (rb == 4 || rb == 2)) ? std::exchange(ahead, 0) : 0;
         if (rr == 1 && cols <= 128) {  // one row: no work on copies of it
           if (cols <= 32)
-            value_rows<kKind, 1, 1>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, 0, page);
+            value_rows<kKind, 1, 1>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, 0, pg);
           else if (cols <= 64)
-            value_rows<kKind, 1, 2>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, 0, page);
+            value_rows<kKind, 1, 2>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, 0, pg);
           else
-            value_rows<kKind, 1, 4>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, 0, page);
+            value_rows<kKind, 1, 4>(pr, ldp, 1, nj, vc, ldv_bytes, cols, orow, ldo, 0, pg);
         } else if (rb == 8) {
-          value_rows<kKind, 8, 1>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, 0, page);
+          value_rows<kKind, 8, 1>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, 0, pg);
         } else if (rb == 4) {
           if (na > 0)
-            value_rows<kKind, 4, 2, true>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, na, page);
+            value_rows<kKind, 4, 2, true>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, na, pg);
           else
-            value_rows<kKind, 4, 2>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, 0, page);
+            value_rows<kKind, 4, 2>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, 0, pg);
         } else if (rb == 2) {
           if (na > 0)
-            value_rows<kKind, 2, 4, true>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, na, page);
+            value_rows<kKind, 2, 4, true>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, na, pg);
           else
-            value_rows<kKind, 2, 4>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, 0, page);
+            value_rows<kKind, 2, 4>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, 0, pg);
         } else {
-          value_rows<kKind, 1, 8>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, 0, page);
+          value_rows<kKind, 1, 8>(pr, ldp, rr, nj, vc, ldv_bytes, cols, orow, ldo, 0, pg);
         }
         r0 += rb;
       }
