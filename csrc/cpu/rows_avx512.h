@@ -59,7 +59,7 @@ inline void fetch_rows_l2(const void* first, int64_t stride, int64_t rows, int64
 // cache, whose rows (one every H D elements) the hardware prefetcher does
 // not follow (spread rather than all at once before the block: 16 query rows
 // a key/value head, 32 x 8 x 128 heads: float32 1.05-1.18x, bfloat16
-// 1.14-1.31x).
+// 1.14-1.31x); and float32 rows' page-ahead fetch (PageFetch).
 template <int kHint = _MM_HINT_T1>
 struct RowFetch {
   const char* row = nullptr;
@@ -79,26 +79,38 @@ struct RowFetch {
   }
 };
 
-// Adjacent rows read in address order: as each row is read, the same bytes
-// a page (4 KiB) further on are fetched into L1, a line per 64 bytes, by
-// the row's own reader (PageAhead, called with the row). The hardware's
-// stream prefetcher stops at each 4 KiB page and learns the stream again on
-// the next (a profile of a one-row bfloat16 decode put half the score
-// routine's time on one load a block); fetched a page ahead, a one-row a head
-// decode (12 x 64 heads, S = 32k) read bfloat16 K/V 1.7x and float32 1.3x
-// faster (AMD EPYC family 26, the README, "Decoding on a newer CPU"). Into
-// L1 did better than into L2, 2-16 KiB ahead within noise of each other.
-// Issued as a block (chunk) started, the lines stalled once the core's
-// outstanding misses were in use, and spread over the block's keys by a
-// RowFetch its loop's bookkeeping cost more than the fetches where the rows
-// sit in the caches; a row's lines at the row cost neither (the README,
-// "Decoding").
+// Adjacent rows read in address order: the same bytes a page (4 KiB) further
+// on are fetched into L1 as the block's (chunk's) first pass reads them, a
+// line per 64 bytes. The hardware's stream prefetcher stops at each 4 KiB
+// page and learns the stream again on the next (a profile of a one-row
+// bfloat16 decode put half the score routine's time on one load a block);
+// fetched a page ahead, a one-row a head decode (12 x 64 heads, S = 32k) read
+// bfloat16 K/V 1.7x and float32 1.3x faster (AMD EPYC family 26, the README,
+// "Decoding on a newer CPU"). Into L1 did better than into L2, 2-16 KiB ahead
+// within noise of each other. Called at each key with its row, in one of two
+// forms, each measured the better for its types (the README, "Decoding"):
+// - bfloat16 / float16 rows fetch their own bytes at the row (`bytes`): the
+//   block's lines issued at its start left a one-row decode at 40% of the
+//   streaming read, and spread over the keys by a RowFetch they ran slower
+//   still;
+// - float32 rows take the block's lines a few at each key (`block`, a
+//   RowFetch over them): 1.03-1.07x the per-row form from memory, which
+//   itself ran 1.24x faster where the keys stay in the caches.
 constexpr int64_t kFetchAhead = 4096;
-struct PageAhead {
-  int64_t bytes = 0;  // of each row (0: fetches nothing)
-  void operator()(const void* row) const {
+struct PageFetch {
+  int64_t bytes = 0;                         // of each row, or 0
+  RowFetch<_MM_HINT_T0> block;               // or the block's lines (empty by default)
+  void operator()(const void* row) {
+    block();
     const char* at = static_cast<const char*>(row) + kFetchAhead;
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+  }
+  // float32: the lines of the `bytes` bytes at `first`, spread over `keys` calls
+  static PageFetch spread(const void* first, int64_t bytes, int64_t keys) {
+    PageFetch f;
+    f.block = RowFetch<_MM_HINT_T0>(static_cast<const char*>(first) + kFetchAhead, bytes, bytes, 0, (bytes + 63) / 64,
+                                    keys);
+    return f;
   }
 };
 

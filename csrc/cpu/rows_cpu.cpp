@@ -22,7 +22,7 @@ namespace mha_ext {
 namespace cpu {
 namespace {
 #if MHA_X86
-using rows::PageAhead;
+using rows::PageFetch;
 using rows::fetch_row_l2;
 using rows::fetch_rows_l2;
 using rows::kValueKeys;
@@ -123,7 +123,7 @@ __attribute__((target("avx512f"))) inline __m512 dot_step(__m512 acc, __m512 q, 
 template <int kKind, int RB, int KB, int C>
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void key_dot(
     __m512* acc, const typename ScoreKind<kKind>::Q* const* qr, const typename ScoreKind<kKind>::K* k, int64_t E,
-    const void* ahead, const PageAhead& page) {
+    const void* ahead, PageFetch& page) {
   constexpr int64_t kStep = ScoreKind<kKind>::kCols;
   page(k);
   if (ahead != nullptr) fetch_row_l2(ahead, E * static_cast<int64_t>(sizeof(*k)));
@@ -141,7 +141,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 template <int kKind, int RB, int KB, bool kFetch, int... C>
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void keys_dot(
     __m512* acc, const typename ScoreKind<kKind>::Q* const* qr, const typename ScoreKind<kKind>::K* k, int64_t ldk,
-    int64_t nk, int64_t E, int64_t n_ahead, const PageAhead& page, std::integer_sequence<int, C...>) {
+    int64_t nk, int64_t E, int64_t n_ahead, PageFetch& page, std::integer_sequence<int, C...>) {
   (key_dot<kKind, RB, KB, C>(acc, qr, k + std::min<int64_t>(C, nk - 1) * ldk, E,
                              kFetch && C < n_ahead ? k + (C + 16) * ldk : nullptr, page),
    ...);
@@ -161,7 +161,7 @@ template <int kKind, int RB, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const typename ScoreKind<kKind>::Q* q, int64_t E,
                                                                     const typename ScoreKind<kKind>::K* k, int64_t ldk,
                                                                     int64_t nc, float* s, int64_t lds,
-                                                                    int64_t n_ahead, const PageAhead& page) {
+                                                                    int64_t n_ahead, PageFetch& page) {
   constexpr int KB = 16 / RB;
   const typename ScoreKind<kKind>::Q* qr[RB];
   for (int r = 0; r < RB; ++r) qr[r] = q + r * E;
@@ -184,7 +184,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const type
 // time (4 x 4 sub-blocks), then two (2 x 8), then one (1 x 16). The block's
 // key rows stay in L1 for the next query rows; the next block's are fetched
 // into L2 (fetch_row_l2, fetch_rows_l2), adjacent rows a page on into L1 by
-// the block's first pass (PageAhead).
+// the block's first pass (PageFetch).
 template <int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const typename ScoreKind<kKind>::Q* q,
                                                                         int64_t R, int64_t E,
@@ -201,10 +201,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
   // block's rows a row a key where it is a pass of four rows, else all at
   // once before it
   const bool spread = !adjacent && R >= 4;
-  const PageAhead page{adjacent ? E * static_cast<int64_t>(sizeof(*k)) : 0}, none;
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
     const int64_t nc = std::min<int64_t>(16, n - c0);
     int64_t ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16);  // rows of the next block
+    const int64_t row_bytes = E * static_cast<int64_t>(sizeof(*k));
+    PageFetch page, none;  // (the first pass's)
+    if (adjacent && kKind == 0)
+      page = PageFetch::spread(k + c0 * ldk, nc * row_bytes, nc);
+    else if (adjacent)
+      page.bytes = row_bytes;
     if (!adjacent && !spread)
       fetch_rows_l2(k + (c0 + 16) * ldk, ldk * static_cast<int64_t>(sizeof(*k)), std::exchange(ahead, 0),
                     E * static_cast<int64_t>(sizeof(*k)));
@@ -215,7 +220,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
       const auto* qr = q + r0 * E;
       const auto* kc = k + c0 * ldk;
       float* sc = s + r0 * lds + c0;
-      const PageAhead& pg = r0 == 0 ? page : none;
+      PageFetch& pg = r0 == 0 ? page : none;
       if (na > 0)
         score_block<kKind, 4, true>(qr, E, kc, ldk, nc, sc, lds, na, pg);
       else if (rb == 4)
@@ -282,7 +287,7 @@ template <int kKind, int RB, int NP, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const float* p, int64_t ldp, int64_t rr,
                                                                     int64_t nj, const char* v, int64_t ldv_bytes,
                                                                     int64_t cols, float* o, int64_t ldo,
-                                                                    int64_t n_ahead, const PageAhead& page) {
+                                                                    int64_t n_ahead, PageFetch& page) {
   const float* pr[RB];
   for (int r = 0; r < RB; ++r) pr[r] = p + std::min<int64_t>(r, rr - 1) * ldp;
   __m512 acc[RB][2 * NP];
@@ -338,7 +343,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const floa
 template <int RB, int NP, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_block_dp(
     const float* p, int64_t ldp, int64_t rr, int64_t nj, const char* v, int64_t ldv_bytes, int64_t cols, float* o,
-    int64_t ldo, int64_t n_ahead, const PageAhead& page) {
+    int64_t ldo, int64_t n_ahead, PageFetch& page) {
   alignas(64) uint16_t pb[RB][kValueKeys];  // P rows in bfloat16, zero past nj
   for (int r = 0; r < RB; ++r) {
     const float* pr = p + std::min<int64_t>(r, rr - 1) * ldp;
@@ -401,7 +406,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_block
 template <int kKind, int RB, int NP, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void value_rows(
     const float* p, int64_t ldp, int64_t rr, int64_t nj, const char* v, int64_t ldv_bytes, int64_t cols, float* o,
-    int64_t ldo, int64_t n_ahead, const PageAhead& page) {
+    int64_t ldo, int64_t n_ahead, PageFetch& page) {
   if constexpr (kKind == 3 && RB > 1)
     value_block_dp<RB, NP, kFetch>(p, ldp, rr, nj, v, ldv_bytes, cols, o, ldo, n_ahead, page);
   else
@@ -414,7 +419,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // to 128, else 1 row and 256 columns at a time; a last single row alone,
 // over the columns it has. The next chunk's rows are fetched into L2
 // (fetch_row_l2, fetch_rows_l2), adjacent rows a page on into L1 by the
-// chunk's first pass (PageAhead).
+// chunk's first pass (PageFetch).
 template <int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const float* p, int64_t R, int64_t n,
                                                                          int64_t ldp, const void* v, int64_t ldv,
@@ -445,7 +450,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
       // where it is a pass of 4 or 2 rows, else all at once here
       const int64_t rb0 = pass_rows(R, cols);
       const bool spread = ldv != Ev && (rb0 == 4 || rb0 == 2);
-      const PageAhead page{ldv == Ev ? cols * elem : 0}, none;
+      PageFetch page, none;  // (the first pass's)
+      if (ldv == Ev && kKind == 0 && c0 == 0)  // (the chunk's whole rows)
+        page = PageFetch::spread(vc, nj * ldv_bytes, nj);
+      else if (ldv == Ev && kKind != 0)
+        page.bytes = cols * elem;
       if (ldv != Ev && !spread) {
         fetch_rows_l2(vc + kValueKeys * ldv_bytes, ldv_bytes, std::exchange(ahead, 0), cols * elem);
       }
@@ -453,7 +462,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
         const float* pr = p + r0 * ldp + j0;
         float* orow = o + r0 * ldo + c0;
         const int64_t rr = R - r0, rb = pass_rows(rr, cols);
-        const PageAhead& pg = r0 == 0 ? page : none;
+        PageFetch& pg = r0 == 0 ? page : none;
         // (adjacent rows: the second of 3 or more passes, of 4 or 2 rows, fetches)
         const int64_t na =
             (spread ? r0 == 0 : r0 > 0 && rr > rb && (rb == 4 || rb == 2)) ? std::exchange(ahead, 0) : 0;
