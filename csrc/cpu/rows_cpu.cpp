@@ -161,7 +161,8 @@ template <int kKind, int RB, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const typename ScoreKind<kKind>::Q* q, int64_t E,
                                                                     const typename ScoreKind<kKind>::K* k, int64_t ldk,
                                                                     int64_t nc, float* s, int64_t lds,
-                                                                    int64_t n_ahead, PageFetch& page) {
+                                                                    int64_t n_ahead, PageFetch& page_io) {
+  PageFetch page = page_io;  // (a local: its count and place stay in registers)
   constexpr int KB = 16 / RB;
   const typename ScoreKind<kKind>::Q* qr[RB];
   for (int r = 0; r < RB; ++r) qr[r] = q + r * E;
@@ -178,6 +179,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const type
       _mm512_mask_storeu_ps(s + r * lds + k0, KB == 16 ? kc : __mmask16(kc & ((1u << KB) - 1)), row);
     }
   }
+  page_io = page;
 }
 
 // S (R x n, row stride lds) = Q K^T by blocks of 16 keys: four query rows at a
@@ -287,7 +289,8 @@ template <int kKind, int RB, int NP, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const float* p, int64_t ldp, int64_t rr,
                                                                     int64_t nj, const char* v, int64_t ldv_bytes,
                                                                     int64_t cols, float* o, int64_t ldo,
-                                                                    int64_t n_ahead, PageFetch& page) {
+                                                                    int64_t n_ahead, PageFetch& page_io) {
+  PageFetch page = page_io;  // (a local: its count and place stay in registers)
   const float* pr[RB];
   for (int r = 0; r < RB; ++r) pr[r] = p + std::min<int64_t>(r, rr - 1) * ldp;
   __m512 acc[RB][2 * NP];
@@ -308,6 +311,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const floa
         for (int x = 0; x < 2; ++x) acc[r][2 * h + x] = _mm512_fmadd_ps(pb[r], w[x], acc[r][2 * h + x]);
     }
   }
+  page_io = page;
   // (no branch on rr: rows past it store under an empty mask, so that acc is
   // indexed by constants and stays in registers)
 #pragma GCC unroll 8
