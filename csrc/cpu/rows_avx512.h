@@ -88,17 +88,18 @@ struct RowFetch {
 // bfloat16 K/V 1.7x and float32 1.3x faster (AMD EPYC family 26, the README,
 // "Decoding on a newer CPU"). Into L1 did better than into L2, 2-16 KiB ahead
 // within noise of each other. Called at each key with its row, in one of two
-// forms, each measured the better for its types (the README, "Decoding"):
-// - bfloat16 / float16 rows fetch their own bytes at the row (`bytes`): the
-//   block's lines issued at its start left a one-row decode at 40% of the
-//   streaming read, and spread over the keys by a RowFetch they ran slower
-//   still;
-// - float32 rows take the block's lines a few at each key (`block`, a
-//   RowFetch over them): 1.03-1.07x the per-row form from memory (where
-//   the keys stay in the caches the per-row form ran faster, 1.24x while
-//   the routines took the RowFetch by reference, its state through memory
-//   at each prefetch; they now keep a local copy in registers).
+// forms, each measured the better for its rows (the README, "Decoding"):
+// - bfloat16 / float16 rows, and float32 rows of up to kRowAheadBytes, fetch
+//   their own bytes at the row (`bytes`): the block's lines issued at its
+//   start left a one-row bfloat16 decode at 40% of the streaming read, and
+//   float32 rows of 64 columns ran 1.01-1.03x from memory and 1.14x in the
+//   caches against the spread form;
+// - longer float32 rows take the block's lines a few at each key (`block`,
+//   a RowFetch over them; the routines keep a local copy of it, in
+//   registers): at 128 columns 1.03-1.10x the per-row form from memory
+//   (0.92x where the keys stay in the caches).
 constexpr int64_t kFetchAhead = 4096;
+constexpr int64_t kRowAheadBytes = 256;
 struct PageFetch {
   int64_t bytes = 0;                         // of each row, or 0
   RowFetch<_MM_HINT_T0> block;               // or the block's lines (empty by default)

@@ -208,7 +208,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
     int64_t ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16);  // rows of the next block
     const int64_t row_bytes = E * static_cast<int64_t>(sizeof(*k));
     PageFetch page, none;  // (the first pass's)
-    if (adjacent && kKind == 0)
+    if (adjacent && kKind == 0 && row_bytes > rows::kRowAheadBytes)
       page = PageFetch::spread(k + c0 * ldk, nc * row_bytes, nc);
     else if (adjacent)
       page.bytes = row_bytes;
@@ -455,9 +455,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
       const int64_t rb0 = pass_rows(R, cols);
       const bool spread = ldv != Ev && (rb0 == 4 || rb0 == 2);
       PageFetch page, none;  // (the first pass's)
-      if (ldv == Ev && kKind == 0 && c0 == 0)  // (the chunk's whole rows)
+      const bool long_rows = kKind == 0 && ldv_bytes > rows::kRowAheadBytes;
+      if (ldv == Ev && long_rows && c0 == 0)  // (the chunk's whole rows)
         page = PageFetch::spread(vc, nj * ldv_bytes, nj);
-      else if (ldv == Ev && kKind != 0)
+      else if (ldv == Ev && !long_rows)
         page.bytes = cols * elem;
       if (ldv != Ev && !spread) {
         fetch_rows_l2(vc + kValueKeys * ldv_bytes, ldv_bytes, std::exchange(ahead, 0), cols * elem);
