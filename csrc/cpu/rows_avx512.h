@@ -59,7 +59,8 @@ inline void fetch_rows_l2(const void* first, int64_t stride, int64_t rows, int64
 // cache, whose rows (one every H D elements) the hardware prefetcher does
 // not follow (spread rather than all at once before the block: 16 query rows
 // a key/value head, 32 x 8 x 128 heads: float32 1.05-1.18x, bfloat16
-// 1.14-1.31x); and float32 rows' page-ahead fetch (PageFetch).
+// 1.14-1.31x); and the page-ahead fetch of float32 rows longer than
+// kRowAheadBytes (PageFetch::spread).
 template <int kHint = _MM_HINT_T1>
 struct RowFetch {
   const char* row = nullptr;
@@ -88,12 +89,14 @@ struct RowFetch {
 // bfloat16 K/V 1.7x and float32 1.3x faster (AMD EPYC family 26, the README,
 // "Decoding on a newer CPU"). Into L1 did better than into L2, 2-16 KiB ahead
 // within noise of each other. Called at each key with its row, in one of two
-// forms, each measured the better for its rows (the README, "Decoding"):
+// forms, each the better of the two where measured (the README, "Decoding";
+// float32 at 64 and 128 columns, 16-bit rows against the block's lines at
+// once, the former burst):
 // - bfloat16 / float16 rows, and float32 rows of up to kRowAheadBytes, fetch
 //   their own bytes at the row (`bytes`): the block's lines issued at its
-//   start left a one-row bfloat16 decode at 40% of the streaming read, and
-//   float32 rows of 64 columns ran 1.01-1.03x from memory and 1.14x in the
-//   caches against the spread form;
+//   start left a one-row bfloat16 decode at 40% of the streaming read in
+//   one VM state (94% in another), and float32 rows of 64 columns ran 1.14x
+//   in the caches against the spread form (1.01-1.03x from memory);
 // - longer float32 rows take the block's lines a few at each key (`block`,
 //   a RowFetch over them; the routines keep a local copy of it, in
 //   registers): at 128 columns 1.03-1.10x the per-row form from memory
@@ -108,7 +111,8 @@ struct PageFetch {
     const char* at = static_cast<const char*>(row) + kFetchAhead;
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
   }
-  // float32: the lines of the `bytes` bytes at `first`, spread over `keys` calls
+  // long float32 rows: the lines of the `bytes` bytes at first + kFetchAhead,
+  // spread over `keys` calls
   static PageFetch spread(const void* first, int64_t bytes, int64_t keys) {
     PageFetch f;
     f.block = RowFetch<_MM_HINT_T0>(static_cast<const char*>(first) + kFetchAhead, bytes, bytes, 0, (bytes + 63) / 64,

@@ -118,7 +118,8 @@ __attribute__((target("avx512f"))) inline __m512 dot_step(__m512 acc, __m512 q, 
 // acc[r KB + C] += the dot products of key row k with query rows qr[r]:
 // the key row read whole, in address order (its columns once for the RB
 // rows; the query columns come from L1 each time); meanwhile the row at
-// `ahead` (unless null) is fetched into L2, and the row a page on (`page`).
+// `ahead` (unless null) is fetched into L2, and `page` takes its page-ahead
+// share (the row a page on, or a few of the block's lines).
 // C is a constant, so that the accumulators stay in registers.
 template <int kKind, int RB, int KB, int C>
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void key_dot(
@@ -156,7 +157,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // order). Keys past nc repeat the last real one (read, never stored). The
 // first n_ahead rows of the next block (16 keys on) are fetched into L2
 // where kFetch (an instantiation of its own: the fetches cost the others
-// registers, and those passes never fetch); `page`, each key row a page on.
+// registers, and those passes never fetch); `page`, the page-ahead fetch at
+// each key.
 template <int kKind, int RB, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const typename ScoreKind<kKind>::Q* q, int64_t E,
                                                                     const typename ScoreKind<kKind>::K* k, int64_t ldk,
@@ -284,7 +286,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // Rows past rr repeat the last real one (computed, never stored). The same
 // columns of the first n_ahead rows of the next chunk (kValueKeys rows on)
 // are fetched into L2 (fetch_row_l2) where kFetch (as score_block); `page`,
-// each value row a page on.
+// the page-ahead fetch at each key.
 template <int kKind, int RB, int NP, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const float* p, int64_t ldp, int64_t rr,
                                                                     int64_t nj, const char* v, int64_t ldv_bytes,
