@@ -163,8 +163,8 @@ template <int kKind, int RB, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const typename ScoreKind<kKind>::Q* q, int64_t E,
                                                                     const typename ScoreKind<kKind>::K* k, int64_t ldk,
                                                                     int64_t nc, float* s, int64_t lds,
-                                                                    int64_t n_ahead, PageFetch& page_io) {
-  PageFetch page = page_io;  // (a local: its count and place stay in registers)
+                                                                    int64_t n_ahead, const PageFetch& page_in) {
+  PageFetch page = page_in;  // (a local: its count and place stay in registers)
   constexpr int KB = 16 / RB;
   const typename ScoreKind<kKind>::Q* qr[RB];
   for (int r = 0; r < RB; ++r) qr[r] = q + r * E;
@@ -181,7 +181,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const type
       _mm512_mask_storeu_ps(s + r * lds + k0, KB == 16 ? kc : __mmask16(kc & ((1u << KB) - 1)), row);
     }
   }
-  page_io = page;
 }
 
 // S (R x n, row stride lds) = Q K^T by blocks of 16 keys: four query rows at a
@@ -209,11 +208,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
     const int64_t nc = std::min<int64_t>(16, n - c0);
     int64_t ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16);  // rows of the next block
     const int64_t row_bytes = E * static_cast<int64_t>(sizeof(*k));
-    PageFetch page, none;  // (the first pass's)
-    if (adjacent && kKind == 0 && row_bytes > rows::kRowAheadBytes)
-      page = PageFetch::spread(k + c0 * ldk, nc * row_bytes, nc);
-    else if (adjacent)
-      page.bytes = row_bytes;
+    // the first pass's page-ahead fetch; later passes take none
+    const PageFetch page = adjacent ? PageFetch::first_pass(k + c0 * ldk, row_bytes, row_bytes, nc, kKind == 0)
+                                    : PageFetch(),
+                    none;
     if (!adjacent && !spread)
       fetch_rows_l2(k + (c0 + 16) * ldk, ldk * static_cast<int64_t>(sizeof(*k)), std::exchange(ahead, 0),
                     E * static_cast<int64_t>(sizeof(*k)));
@@ -224,7 +222,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
       const auto* qr = q + r0 * E;
       const auto* kc = k + c0 * ldk;
       float* sc = s + r0 * lds + c0;
-      PageFetch& pg = r0 == 0 ? page : none;
+      const PageFetch& pg = r0 == 0 ? page : none;
       if (na > 0)
         score_block<kKind, 4, true>(qr, E, kc, ldk, nc, sc, lds, na, pg);
       else if (rb == 4)
@@ -291,8 +289,8 @@ template <int kKind, int RB, int NP, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const float* p, int64_t ldp, int64_t rr,
                                                                     int64_t nj, const char* v, int64_t ldv_bytes,
                                                                     int64_t cols, float* o, int64_t ldo,
-                                                                    int64_t n_ahead, PageFetch& page_io) {
-  PageFetch page = page_io;  // (a local: its count and place stay in registers)
+                                                                    int64_t n_ahead, const PageFetch& page_in) {
+  PageFetch page = page_in;  // (a local: its count and place stay in registers)
   const float* pr[RB];
   for (int r = 0; r < RB; ++r) pr[r] = p + std::min<int64_t>(r, rr - 1) * ldp;
   __m512 acc[RB][2 * NP];
@@ -313,7 +311,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const floa
         for (int x = 0; x < 2; ++x) acc[r][2 * h + x] = _mm512_fmadd_ps(pb[r], w[x], acc[r][2 * h + x]);
     }
   }
-  page_io = page;
   // (no branch on rr: rows past it store under an empty mask, so that acc is
   // indexed by constants and stays in registers)
 #pragma GCC unroll 8
@@ -349,7 +346,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const floa
 template <int RB, int NP, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_block_dp(
     const float* p, int64_t ldp, int64_t rr, int64_t nj, const char* v, int64_t ldv_bytes, int64_t cols, float* o,
-    int64_t ldo, int64_t n_ahead, PageFetch& page) {
+    int64_t ldo, int64_t n_ahead, const PageFetch& page_in) {
+  PageFetch page = page_in;  // (a local: its count and place stay in registers)
   alignas(64) uint16_t pb[RB][kValueKeys];  // P rows in bfloat16, zero past nj
   for (int r = 0; r < RB; ++r) {
     const float* pr = p + std::min<int64_t>(r, rr - 1) * ldp;
@@ -412,7 +410,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void value_block
 template <int kKind, int RB, int NP, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void value_rows(
     const float* p, int64_t ldp, int64_t rr, int64_t nj, const char* v, int64_t ldv_bytes, int64_t cols, float* o,
-    int64_t ldo, int64_t n_ahead, PageFetch& page) {
+    int64_t ldo, int64_t n_ahead, const PageFetch& page) {
   if constexpr (kKind == 3 && RB > 1)
     value_block_dp<RB, NP, kFetch>(p, ldp, rr, nj, v, ldv_bytes, cols, o, ldo, n_ahead, page);
   else
@@ -456,12 +454,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
       // where it is a pass of 4 or 2 rows, else all at once here
       const int64_t rb0 = pass_rows(R, cols);
       const bool spread = ldv != Ev && (rb0 == 4 || rb0 == 2);
-      PageFetch page, none;  // (the first pass's)
-      const bool long_rows = kKind == 0 && ldv_bytes > rows::kRowAheadBytes;
-      if (ldv == Ev && long_rows && c0 == 0)  // (the chunk's whole rows)
-        page = PageFetch::spread(vc, nj * ldv_bytes, nj);
-      else if (ldv == Ev && !long_rows)
-        page.bytes = cols * elem;
+      // the first pass's page-ahead fetch; later passes take none
+      const PageFetch page =
+                          ldv == Ev ? PageFetch::first_pass(vc, ldv_bytes, cols * elem, nj, kKind == 0) : PageFetch(),
+                      none;
       if (ldv != Ev && !spread) {
         fetch_rows_l2(vc + kValueKeys * ldv_bytes, ldv_bytes, std::exchange(ahead, 0), cols * elem);
       }
@@ -469,7 +465,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
         const float* pr = p + r0 * ldp + j0;
         float* orow = o + r0 * ldo + c0;
         const int64_t rr = R - r0, rb = pass_rows(rr, cols);
-        PageFetch& pg = r0 == 0 ? page : none;
+        const PageFetch& pg = r0 == 0 ? page : none;
         // (adjacent rows: the second of 3 or more passes, of 4 or 2 rows, fetches)
         const int64_t na =
             (spread ? r0 == 0 : r0 > 0 && rr > rb && (rb == 4 || rb == 2)) ? std::exchange(ahead, 0) : 0;
