@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # What a session with a lent GPU runs, in one command on that machine (its own
 # python3 and torch; nothing can be installed there): build mha_ext against
-# that torch, the CUDA test cases, bench/bench_cuda.py --quick, an ncu profile
-# of one forward and backward, then the whole suite. Each stage has its own
+# that torch, the CUDA test cases, the C++ input checks (and a native backtrace
+# of one under cuda-gdb: on that machine's torch 2.11 they crashed),
+# bench/bench_cuda.py --quick, an ncu profile of one forward and backward,
+# then the whole suite. Each stage has its own
 # time limit so that a slow one cannot eat the next; logs go to $OUT (or
 # ./gpu_out). Test-only wheels the image lacks
 # (expecttest, for opcheck) travel in .whl (see the device notes).
 #   bash scripts/gpu_session.sh [tests-s] [bench-s] [suite-s]     (suite-s 0: no suite)
 #   MHA_BENCH_ARGS="--only decode" bash scripts/gpu_session.sh ...  (arguments for bench_cuda.py)
+#   MHA_SUITE="tests/test_x.py ..." bash scripts/gpu_session.sh ...  (what the last stage runs; default: tests)
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}; mkdir -p "$out"
@@ -42,6 +45,17 @@ ids = [l for l in open(f"{sys.argv[1]}/cuda_ids.txt").read().splitlines() if l]
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-n", "8", "-rfE", *ids]))
 PY
 stamp "CUDA tests rc=$?"
+stamp "C++ input checks that throw on the CPU path (crashed when g++ and nvcc compiled torch's headers under two standards)"
+timeout 60 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/test_bad_inputs.py tests/test_errors.py 2>&1 | tail -15
+stamp "input checks rc=${PIPESTATUS[0]}"
+stamp "one throwing C++ check under cuda-gdb (a native backtrace of the crash), and what the library links"
+g++ --version | head -1; command -v g++ gcc; python3 -c "import sysconfig; print('python built with', sysconfig.get_config_var('CXX'))"
+ldd mha_ext/_C*.so | grep -E "stdc|gcc_s|gomp|c10.so|torch_cpu|cudart"
+timeout 90 cuda-gdb -q -batch -ex run -ex bt -ex "info sharedlibrary" --args python3 -c "
+import torch, mha_ext
+q = torch.randn(1, 2, 10, 8)
+torch.ops.mha_ext.attention(q, q, q, None, 0.2, False, None, False, torch.tensor([1, 2, 9, 0, 0]))" > "$out/throw_bt.txt" 2>&1
+grep -m1 -A30 -E "received signal|exited" "$out/throw_bt.txt"
 stamp "bench/bench_cuda.py --quick ${MHA_BENCH_ARGS:-}"
 timeout "$t_bench" python3 bench/bench_cuda.py --quick ${MHA_BENCH_ARGS:-} 2>&1 | grep -v Warning | tee "$out/bench_cuda.log"
 cp bench/out/cuda.md "$out/" 2>/dev/null
@@ -56,6 +70,6 @@ torch.cuda.synchronize()" > "$out/ncu.txt" 2>&1
 rc=$?; tail -5 "$out/ncu.txt"; stamp "ncu rc=$rc"
 [ "$t_suite" = 0 ] && exit 0
 stamp "whole suite (-n 14; the transformers models and the wheel test need what the machine lacks)"
-timeout "$t_suite" python3 -m pytest -q -p no:cacheprovider -n 14 -rfE tests \
+timeout "$t_suite" python3 -m pytest -q -p no:cacheprovider -n 14 -rfE ${MHA_SUITE:-tests} \
   --ignore tests/test_packaging.py --ignore tests/test_transformers.py 2>&1 | tee "$out/suite.log" | tail -40
 stamp "suite rc=${PIPESTATUS[0]}"
