@@ -98,7 +98,9 @@ def main_loop(lines):
 
 def loop_counts(body):
     """Static counts of a loop body: instructions, mma, ldmatrix, cp.async
-    (16-byte), and global / shared loads keyed by their width in bytes."""
+    (16-byte), global / shared loads keyed by their width in bytes, atomics
+    on a generic address (ptxas adds a shared-memory fallback to each) and
+    global reductions (red.global)."""
     width = {"u8": 1, "s8": 1, "b8": 1, "u16": 2, "s16": 2, "b16": 2, "f16": 2, "u32": 4, "s32": 4, "b32": 4,
              "f32": 4, "u64": 8, "s64": 8, "b64": 8, "f64": 8}
 
@@ -115,7 +117,9 @@ def loop_counts(body):
     return dict(instructions=len(body), mma=mma, mma_tf32=sum("mma.sync" in ln and ".tf32" in ln for ln in body),
                 ldmatrix=sum(ln.startswith("ldmatrix") for ln in body),
                 cp_async_16=sum(bool(re.match(r"(?:@!?%p\d+\s+)?cp\.async\.cg\.shared\.global.*, 16;", ln)) for ln in body),
-                global_loads=loads("global"), shared_loads=loads("shared"))
+                global_loads=loads("global"), shared_loads=loads("shared"),
+                generic_atomics=sum(bool(re.match(r"(?:@!?%p\d+\s+)?atom\.(?!global|shared)", ln)) for ln in body),
+                red_global=sum(bool(re.match(r"(?:@!?%p\d+\s+)?red\.global\.", ln)) for ln in body))
 
 
 def ptxas_figures(arch, tmp):

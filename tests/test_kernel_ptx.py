@@ -50,11 +50,15 @@ def test_main_loop_keeps_async_copies_and_ldmatrix(loops, default_loops, config)
         assert c["ldmatrix"] > 0, f"{config}: no ldmatrix in the main loop: {c}"
     c = default_loops[config]
     assert c["shared_loads"].get(2, 0) == 0, f"{config}: 2-byte shared loads of operands in the main loop: {c}"
+    assert c["generic_atomics"] == 0, f"{config}: atomics on a generic address in the main loop: {c}"
+    if config[0] == "bwd":  # dQ accumulates into global memory by red.global.add
+        assert c["red_global"] > 0, f"{config}: no red.global in the key-block backward's main loop: {c}"
 
 
 def test_counts_read_a_known_loop():
     # the parser itself, on a hand-written loop: a backward branch around two
-    # mma, an ldmatrix, a 16-byte cp.async, a 2-byte and a 16-byte load
+    # mma, an ldmatrix, a 16-byte cp.async, a 2-byte and a 16-byte load, a
+    # generic and a global atomic and a global reduction
     ptx = """.visible .entry _ZN7mha_ext6device20attention_fwd_kernelI6__halfLi64EEEvNS_18AttentionFwdParamsE(
 )
 {
@@ -64,6 +68,9 @@ ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r1, %r2, %r3, %r4}, [%r5];
 cp.async.cg.shared.global [%r6], [%rd1], 16;
 ld.shared.u16 %rs1, [%r7];
 @%p1 ld.global.v4.u32 {%r8, %r9, %r10, %r11}, [%rd2];
+atom.add.f32 %f5, [%rd3], %f6;
+atom.global.add.f32 %f5, [%rd3], %f6;
+@%p3 red.global.add.f32 [%rd4], %f7;
 mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1, %f2, %f3, %f4}, {%r1, %r2, %r3, %r4}, {%r1, %r2}, {%f1, %f2, %f3, %f4};
 mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1, %f2, %f3, %f4}, {%r1, %r2, %r3, %r4}, {%r1, %r2}, {%f1, %f2, %f3, %f4};
 @%p2 bra $L__BB0_1;
@@ -73,4 +80,5 @@ ret;
     (name, lines), = K.kernels(ptx).items()
     assert K.describe(name) == ("fwd", "f16", 64)
     c = K.loop_counts(K.main_loop(lines))
-    assert c == dict(instructions=7, mma=2, mma_tf32=0, ldmatrix=1, cp_async_16=1, global_loads={16: 1}, shared_loads={2: 1})
+    assert c == dict(instructions=10, mma=2, mma_tf32=0, ldmatrix=1, cp_async_16=1, global_loads={16: 1}, shared_loads={2: 1},
+                     generic_atomics=1, red_global=1)

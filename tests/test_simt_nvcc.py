@@ -43,5 +43,6 @@ def test_simt_primitives_are_the_ptx_instructions(tmp_path):
     for instr in ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "mma.sync.aligned.m16n8k16.row.col.f32.bf16",
                   "ldmatrix.sync.aligned.m8n8.x4.shared.b16", "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
                   "cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 0",
-                  "cp.async.wait_group 1", "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32"):
+                  "cp.async.wait_group 1", "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32",
+                  "red.global.add.f32"):
         assert instr in text, instr

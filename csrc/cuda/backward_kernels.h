@@ -145,6 +145,7 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   const DropoutKey key = dropout_key(p.dropout);
   const int64_t j0 = static_cast<int64_t>(block_idx().y) * kB;
   const int64_t L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
+  const int head_dim = static_cast<int>(E);  // at most kHeadDim
   if (j0 >= S) return;  // a block past a shorter sequence's keys (varlen)
 
   // K and V join the first query tile's cp.async group
@@ -253,15 +254,30 @@ MHA_UNROLL
         A dqa[kChunk][4];
         zero(dqa);
         warp_mma<T>(dqa, Tile2<T>{t_s + row0, 1, kLdP}, Tile2<T>{k_s + c0, kLd, 1}, kB, lane, scalar, p.fp32_math);
+        // a lane's two rows (c_row: elements 0-1, then 2-3), each from one
+        // address with constant offsets where the chunk's columns are all
+        // in the head dim (a per-element check and address cost about 12
+        // instructions per reduction on sm_90)
+        const int col = c0 + MmaLayout::c_col(lane, 0);
+        auto add_rows = [&](bool check_cols) {
 MHA_UNROLL
-        for (int t = 0; t < kChunk; ++t)
+          for (int half = 0; half < 2; ++half) {
+            const int64_t i = i0 + row0 + MmaLayout::c_row(lane, 2 * half);
+            if (i >= L) continue;
+            A* dq_row = dq_g + i * p.grad_q_stride.row + col;
 MHA_UNROLL
-          for (int e = 0; e < 4; ++e) {
-            const int64_t i = i0 + row0 + MmaLayout::c_row(lane, e);
-            const int c = c0 + 8 * t + MmaLayout::c_col(lane, e);
-            if (i < L && c < E)
-              atomic_add(dq_g + i * p.grad_q_stride.row + c, dqa[t][e] * scale);
+            for (int t = 0; t < kChunk; ++t)
+MHA_UNROLL
+              for (int e = 0; e < 2; ++e)
+                if (!check_cols || col + 8 * t + e < head_dim)
+                  atomic_add_global(dq_row + 8 * t + e, dqa[t][2 * half + e] * scale);
           }
+        };
+        if (c0 + 8 * kChunk <= head_dim) {
+          add_rows(false);
+        } else {
+          add_rows(true);
+        }
       }
     }
   });

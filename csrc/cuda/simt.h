@@ -9,7 +9,10 @@
 //   sync_warp()                                           __syncwarp()
 //   shfl(v, src_lane), shfl_xor(v, mask), shfl_down(v, d) full-warp shuffles
 //   vote_ballot(p), vote_any(p), vote_all(p)              full-warp votes
-//   atomic_add(ptr, v)                                    atomicAdd
+//   atomic_add_global(ptr, v)         atomicAdd into global memory, no result:
+//                                     red.global.add (a generic atomicAdd also
+//                                     carries a shared-memory fallback, about
+//                                     35 SASS instructions a call on sm_90)
 //   dynamic_shared<T>()                                   extern __shared__ T[]
 //   cp_async_16(smem, gmem)           cp.async.cg.shared.global, 16 bytes (both
 //                                     addresses 16-byte aligned); the data is
@@ -69,8 +72,21 @@ MHA_DEVICE T shfl_down(T v, unsigned delta) { return __shfl_down_sync(kFullMask,
 MHA_DEVICE unsigned vote_ballot(bool p) { return __ballot_sync(kFullMask, p); }
 MHA_DEVICE bool vote_any(bool p) { return __any_sync(kFullMask, p); }
 MHA_DEVICE bool vote_all(bool p) { return __all_sync(kFullMask, p); }
+// float or double; p must point to global memory
 template <typename T>
-MHA_DEVICE T atomic_add(T* p, T v) { return atomicAdd(p, v); }
+MHA_DEVICE void atomic_add_global(T* p, T v) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "atomic_add_global: float or double");
+#if defined(__CUDA_ARCH__)
+  const size_t g = __cvta_generic_to_global(p);
+  if constexpr (sizeof(T) == 4) {
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(g), "f"(v) : "memory");
+  } else {
+    asm volatile("red.global.add.f64 [%0], %1;\n" ::"l"(g), "d"(v) : "memory");
+  }
+#else
+  atomicAdd(p, v);
+#endif
+}
 template <typename T>
 MHA_DEVICE T* dynamic_shared() {
   extern __shared__ __align__(16) unsigned char mha_simt_shared[];

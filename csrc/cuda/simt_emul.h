@@ -280,8 +280,6 @@ inline bool vote_all(bool p) {
   return vote_ballot(p) == full;
 }
 template <typename T>
-T atomic_add(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
-template <typename T>
 T* dynamic_shared() { return reinterpret_cast<T*>(emul::self().shared.data()); }
 
 namespace emul {
@@ -296,6 +294,13 @@ inline bool in_shared(const void* p, size_t bytes) {
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace emul
+
+template <typename T>
+void atomic_add_global(T* p, T v) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "atomic_add_global: float or double");
+  if (emul::in_shared(p, sizeof(T))) throw std::logic_error("atomic_add_global: the address is in shared memory");
+  std::atomic_ref<T>(*p).fetch_add(v);
+}
 
 inline void cp_async_16(void* smem, const void* gmem) {
   if (!emul::aligned16(smem) || !emul::aligned16(gmem))

@@ -43,7 +43,17 @@ MHA_KERNEL warp_ops(const float* in, float* xor_sum, float* down_sum, unsigned* 
 
 // Every thread adds its value into *total.
 MHA_KERNEL atomic_total(const float* in, float* total) {
-  atomic_add(total, in[block_idx().x * block_dim().x + thread_idx().x]);
+  atomic_add_global(total, in[block_idx().x * block_dim().x + thread_idx().x]);
+}
+
+// atomic_add_global on a shared-memory address (a fault on the hardware, where
+// red.global takes a global address).
+// into_shared false: into out[0] (the right use).
+MHA_KERNEL atomic_into_shared(float* out, bool into_shared) {
+  float* s = dynamic_shared<float>();
+  s[0] = 0.f;
+  atomic_add_global(into_shared ? s : out, 1.f);
+  if (into_shared) out[0] = s[0];
 }
 
 // A barrier only half of the block reaches.

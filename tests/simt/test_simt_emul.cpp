@@ -373,6 +373,13 @@ TEST(SimtEmulation, AtomicsAddEveryContribution) {
   EXPECT_EQ(total, 0.5f * blocks * threads);
 }
 
+TEST(SimtEmulation, GlobalAtomicOnSharedMemoryThrows) {
+  float out = 0.f;
+  launch(dim3(1), dim3(1), 16, [&] { simt_tests::atomic_into_shared(&out, false); });
+  EXPECT_EQ(out, 1.f);
+  EXPECT_THROW(launch(dim3(1), dim3(1), 16, [&] { simt_tests::atomic_into_shared(&out, true); }), std::logic_error);
+}
+
 TEST(SimtEmulation, DivergentBarrierIsReportedNotHung) {
   std::vector<float> out(64);
   EXPECT_THROW(launch(dim3(1), dim3(64), 0, [&] { simt_tests::divergent_barrier(out.data()); }),
