@@ -63,6 +63,8 @@ if with_cuda:
     # One .cu holds every kernel instantiation (csrc/cuda/launch.h counts
     # them); --threads compiles its architectures in parallel.
     nvcc_flags = ["-O3", "-std=c++20", "--threads", os.environ.get("MAX_JOBS", "2")]
+    if os.environ.get("MHA_EXT_SCALAR_OPERANDS", "") == "1":  # MHA_EXT_CUDA_OPERANDS=scalar at run time
+        nvcc_flags.append("-DMHA_SCALAR_OPERANDS")
     if os.environ.get("MHA_EXT_PTXAS_VERBOSE", "") == "1":  # registers, shared memory and spills per kernel
         nvcc_flags.append("-Xptxas=-v")
     ext = CUDAExtension(

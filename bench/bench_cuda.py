@@ -14,7 +14,8 @@ synchronised): what the first session with a GPU runs.
    32 query rows a warp, or the general kernel's 16; at head dim 64, 16 also
    means 64-row blocks where auto takes 128, so 16 in 128-row blocks is a
    value of its own), MHA_EXT_CUDA_FWD_ROWS
-   (64 / 128 query rows per forward block), MHA_EXT_CUDA_OPERANDS (ldmatrix / scalar operand loads), and for
+   (64 / 128 query rows per forward block), MHA_EXT_CUDA_OPERANDS (ldmatrix / scalar operand loads;
+   scalar only in a build with MHA_EXT_SCALAR_OPERANDS=1, else the row is left out), and for
    float32 MHA_EXT_CUDA_FLOAT32 (auto with TF32 off and on, 3xtf32,
    cuda-cores) beside torch's float32 (memory-efficient backend).
 3. Decoding (one query row against 2k-32k keys, B = 1 and 8, 32 heads on 8
@@ -129,6 +130,9 @@ def switches(device, lengths, reps, gflop, times):
     ]
     rows = []
     for dt, E, var, values in variants:
+        if var == "MHA_EXT_CUDA_OPERANDS" and not scalar_operands_built(device):
+            print("skipped: MHA_EXT_CUDA_OPERANDS=scalar (built without MHA_EXT_SCALAR_OPERANDS=1)", flush=True)
+            continue
         H = 16 if E == 64 else 8
         for L in lengths:
             B = batch_for(H, L, E, gflop)
@@ -153,6 +157,26 @@ def switches(device, lengths, reps, gflop, times):
                 rows.append(row)
                 print(" | ".join(map(str, row)), flush=True)
     return table(["dtype", "HxE", "L", "B", "pass", "switch", "value: TFLOP/s (time / first value's), causal"], rows)
+
+
+def scalar_operands_built(device):
+    """Whether MHA_EXT_CUDA_OPERANDS=scalar runs here: the plain-load operand
+    path is in a CUDA build made with MHA_EXT_SCALAR_OPERANDS=1 only."""
+    if device.type != "cuda":
+        return True
+    q = torch.randn(1, 1, 8, 64, device=device, dtype=torch.float16)
+    old = os.environ.get("MHA_EXT_CUDA_OPERANDS")
+    os.environ["MHA_EXT_CUDA_OPERANDS"] = "scalar"
+    try:
+        mha_ext.scaled_dot_product_attention(q, q, q)
+        return True
+    except (RuntimeError, ValueError):
+        return False
+    finally:
+        if old is None:
+            del os.environ["MHA_EXT_CUDA_OPERANDS"]
+        else:
+            os.environ["MHA_EXT_CUDA_OPERANDS"] = old
 
 
 def switch_env(var, val):

@@ -38,14 +38,15 @@ def nvcc():
     return path if os.path.exists(path) else None
 
 
-def compile_ptx(out_path, arch="sm_80", all_configs=False, scalar_operands=True):
-    """PTX of the kernels; scalar_operands=False leaves out the plain-load
-    operand path (MHA_EXT_CUDA_OPERANDS=scalar), so only the default's remain."""
+def compile_ptx(out_path, arch="sm_80", all_configs=False, scalar_operands=False):
+    """PTX of the kernels; scalar_operands=True builds in the plain-load
+    operand path (MHA_EXT_CUDA_OPERANDS=scalar, a build with
+    MHA_EXT_SCALAR_OPERANDS=1); without it only the default's remain."""
     cmd = [nvcc(), "-std=c++20", "-O3", "-ptx", f"-arch={arch}", SOURCE, "-o", out_path]
     if all_configs:
         cmd.insert(1, "-DMHA_PTX_ALL")
-    if not scalar_operands:
-        cmd.insert(1, "-DMHA_NO_SCALAR_OPERANDS")
+    if scalar_operands:
+        cmd.insert(1, "-DMHA_SCALAR_OPERANDS")
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900)
     with open(out_path) as f:
         return f.read()

@@ -25,14 +25,14 @@ def _loops(tmp_path_factory, scalar_operands):
 
 @pytest.fixture(scope="module")
 def loops(tmp_path_factory):
-    """The kernels as built."""
+    """The kernels with the plain-load operand path that
+    MHA_EXT_CUDA_OPERANDS=scalar selects built in (MHA_EXT_SCALAR_OPERANDS=1)."""
     return _loops(tmp_path_factory, True)
 
 
 @pytest.fixture(scope="module")
 def default_loops(tmp_path_factory):
-    """The kernels without the plain-load operand path that
-    MHA_EXT_CUDA_OPERANDS=scalar selects: what runs by default."""
+    """The kernels as a default build has them (no plain-load path)."""
     return _loops(tmp_path_factory, False)
 
 

@@ -105,11 +105,18 @@ size_t shared_bytes_needed(int64_t e, int64_t ev) {
 // How the kernels load tensor-core operands from shared memory, read at each
 // launch from MHA_EXT_CUDA_OPERANDS: "ldmatrix" (unset: the default) or
 // "scalar" (plain loads, the kernels' way before ldmatrix; the fragments are
-// the same values, so the results are too).
+// the same values, so the results are too), in a build that has that path
+// (kScalarOperandsBuilt), else a clear error.
 inline bool scalar_operands_requested() {
   const char* v = std::getenv("MHA_EXT_CUDA_OPERANDS");
   if (v == nullptr || std::string(v) == "ldmatrix") return false;
-  if (std::string(v) == "scalar") return true;
+  if (std::string(v) == "scalar") {
+    if (!kScalarOperandsBuilt)
+      throw std::invalid_argument(
+          "MHA_EXT_CUDA_OPERANDS=scalar needs the plain-load operand path, which this build leaves out "
+          "(rebuild with MHA_EXT_SCALAR_OPERANDS=1)");
+    return true;
+  }
   throw std::invalid_argument(std::string("MHA_EXT_CUDA_OPERANDS must be \"ldmatrix\" or \"scalar\", got \"") + v +
                               "\"");
 }

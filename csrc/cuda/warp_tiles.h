@@ -73,13 +73,17 @@ struct TileConfig {
   static constexpr int kBwdSharedBytes = kBwdFixedBytes + kBwdStages * kBwdStageBytes;
 };
 
-// The plain-load operand path (AttentionFwdParams::scalar_operands) is built
-// unless MHA_NO_SCALAR_OPERANDS is defined; tests/test_kernel_ptx.py builds
-// without it to hold the default path to ldmatrix alone.
-#if defined(MHA_NO_SCALAR_OPERANDS)
-constexpr bool kScalarOperandsBuilt = false;
-#else
+// The plain-load operand path (AttentionFwdParams::scalar_operands, the
+// kernels' way before ldmatrix) is built only where MHA_SCALAR_OPERANDS is
+// defined: the emulation (which checks it gives ldmatrix's bits) and a build
+// with MHA_EXT_SCALAR_OPERANDS=1. Built in, its predicated-off plain loads
+// still issue in every k step of the default path (sm_90 SASS: 8 for 4 mma in
+// the backward's S^T loop), so the default build leaves it out, since GPUs
+// have run both paths to the same results (README, "CUDA").
+#if defined(MHA_SCALAR_OPERANDS)
 constexpr bool kScalarOperandsBuilt = true;
+#else
+constexpr bool kScalarOperandsBuilt = false;
 #endif
 
 // A strided view of a shared-memory tile: element (r, c) at p[r * rs + c * cs].

@@ -4,6 +4,7 @@
 // tensors, with the schemas of the real ops. tests/test_cuda_emul.py builds it
 // and holds its results to the CPU backend.
 #define MHA_SIMT_EMULATION 1
+#define MHA_SCALAR_OPERANDS 1  // test_emul_scalar_operands_give_the_ldmatrix_results compares both paths
 #include "../../csrc/cuda/attention_host.h"
 #include "../../csrc/cuda/kvcache_attention_host.h"
 #include "../../csrc/cuda/varlen_attention_host.h"
