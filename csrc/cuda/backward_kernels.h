@@ -217,32 +217,33 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
           plain_scores<T>(st, interior && p.grad_mask == nullptr && !p.dropout.enabled(), scale);
       const uint32_t keep =
           dropout_tile_bits<kNTw, true>(p, key, b, h, j0 + row0 + MmaLayout::c_row(lane, 0), i0 + n0, lane);
+      // P^T into st (each score is read once), dS^T into dst; the branch
+      // outside the unrolled loops, so the plain tile's code is straight
+      if (plain) {
 MHA_UNROLL
-      for (int t = 0; t < kNTw; ++t)
+        for (int t = 0; t < kNTw; ++t)
 MHA_UNROLL
-        for (int e = 0; e < 4; ++e) {
-          const int rj = row0 + MmaLayout::c_row(lane, e), ci = n0 + 8 * t + MmaLayout::c_col(lane, e);
-          A prob;
-          if (plain) {
-            plain_prob_and_grad<T>(st[t][e], dst[t][e], shift_s[ci], norm_s[ci], d_s[ci], scale, prob, dst[t][e]);
-          } else {
-            prob_and_grad<T>(p, b, h, i0 + ci, j0 + rj, st[t][e], dst[t][e], shift_s[ci], norm_s[ci], d_s[ci],
-                             interior, (keep >> (4 * t + e)) & 1u, static_cast<A*>(p.grad_mask), prob, dst[t][e]);
+          for (int e = 0; e < 4; ++e) {
+            const int ci = n0 + 8 * t + MmaLayout::c_col(lane, e);
+            plain_prob_and_grad<T>(st[t][e], dst[t][e], shift_s[ci], norm_s[ci], d_s[ci], scale, st[t][e], dst[t][e]);
           }
-          t_s[rj * kLdP + ci] = to_elem<T>(prob);
-        }
+      } else {
+MHA_UNROLL
+        for (int t = 0; t < kNTw; ++t)
+MHA_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            const int rj = row0 + MmaLayout::c_row(lane, e), ci = n0 + 8 * t + MmaLayout::c_col(lane, e);
+            prob_and_grad<T>(p, b, h, i0 + ci, j0 + rj, st[t][e], dst[t][e], shift_s[ci], norm_s[ci], d_s[ci],
+                             interior, (keep >> (4 * t + e)) & 1u, static_cast<A*>(p.grad_mask), st[t][e], dst[t][e]);
+          }
+      }
+      store_c_fragments<T>(st, t_s + row0 * kLdP + n0, kLdP, lane);
     }
     sync_tile();
     // dV += P^T dO
     warp_mma<T>(dv, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{do_s + c_base, kLd, 1}, kB, lane, scalar, p.fp32_math);
     sync_tile();  // P^T read before dS^T overwrites it
-    if (has_cols) {
-MHA_UNROLL
-      for (int t = 0; t < kNTw; ++t)
-MHA_UNROLL
-        for (int e = 0; e < 4; ++e)
-          t_s[(row0 + MmaLayout::c_row(lane, e)) * kLdP + n0 + 8 * t + MmaLayout::c_col(lane, e)] = to_elem<T>(dst[t][e]);
-    }
+    if (has_cols) store_c_fragments<T>(dst, t_s + row0 * kLdP + n0, kLdP, lane);
     sync_tile();
     // dK += dS^T Q
     warp_mma<T>(dk, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane, scalar, p.fp32_math);

@@ -293,6 +293,25 @@ MHA_UNROLL
   for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = A(0);
 }
 
+// Stores N accumulator fragments (a 16 x 8N tile, C layout) as elements of T
+// into shared memory at dst (row stride ld, even): a lane's two adjacent
+// columns of a row go together, one 32-bit store for 16-bit types.
+template <typename T, typename A, int N>
+MHA_DEVICE void store_c_fragments(const A (&c)[N][4], T* dst, int ld, int lane) {
+MHA_UNROLL
+  for (int t = 0; t < N; ++t)
+MHA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      T* d = dst + MmaLayout::c_row(lane, 2 * h) * ld + 8 * t + MmaLayout::c_col(lane, 0);
+      if constexpr (sizeof(T) == 2) {
+        *reinterpret_cast<uint32_t*>(d) = pack2(to_elem<T>(c[t][2 * h]), to_elem<T>(c[t][2 * h + 1]));
+      } else {
+        d[0] = to_elem<T>(c[t][2 * h]);
+        d[1] = to_elem<T>(c[t][2 * h + 1]);
+      }
+    }
+}
+
 // Copies rows [r0, r0 + rows) x cols [0, cols) of a strided global matrix
 // into a (kRows x kCols) shared tile with row stride ld, zero elsewhere.
 template <typename T>
