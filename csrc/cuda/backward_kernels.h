@@ -366,21 +366,26 @@ MHA_UNROLL
       const bool plain = plain_scores<T>(s, interior && !p.dropout.enabled(), scale);
       const uint32_t keep =
           dropout_tile_bits<kNTw, false>(p, key, b, h, i0 + row0 + MmaLayout::c_row(lane, 0), j0 + n0, lane);
+      // dS into dp (the probability into s, unused here); the branch outside
+      // the unrolled loops, as in the key-block kernel
+      if (plain) {
 MHA_UNROLL
-      for (int t = 0; t < kNTw; ++t)
+        for (int t = 0; t < kNTw; ++t)
 MHA_UNROLL
-        for (int e = 0; e < 4; ++e) {
-          const int ri = row0 + MmaLayout::c_row(lane, e), cj = n0 + 8 * t + MmaLayout::c_col(lane, e);
-          A prob, ds;
-          if (plain) {
-            plain_prob_and_grad<T>(s[t][e], dp[t][e], shift[e / 2], norm[e / 2], dd[e / 2], scale, prob, ds);
-          } else {
+          for (int e = 0; e < 4; ++e)
+            plain_prob_and_grad<T>(s[t][e], dp[t][e], shift[e / 2], norm[e / 2], dd[e / 2], scale, s[t][e], dp[t][e]);
+      } else {
+MHA_UNROLL
+        for (int t = 0; t < kNTw; ++t)
+MHA_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            const int ri = row0 + MmaLayout::c_row(lane, e), cj = n0 + 8 * t + MmaLayout::c_col(lane, e);
             // the key-block kernel writes the mask gradient
             prob_and_grad<T>(p, b, h, i0 + ri, j0 + cj, s[t][e], dp[t][e], shift[e / 2], norm[e / 2], dd[e / 2],
-                             interior, (keep >> (4 * t + e)) & 1u, static_cast<A*>(nullptr), prob, ds);
+                             interior, (keep >> (4 * t + e)) & 1u, static_cast<A*>(nullptr), s[t][e], dp[t][e]);
           }
-          t_s[ri * kLdP + cj] = to_elem<T>(ds);
-        }
+      }
+      store_c_fragments<T>(dp, t_s + row0 * kLdP + n0, kLdP, lane);
     }
     if constexpr (kSplit > 1) {
       sync_threads();
