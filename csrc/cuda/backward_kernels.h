@@ -112,7 +112,7 @@ MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams params) {
   }
 }
 
-// Key-block kernel. Shared: K, V (kB x kLd), P^T / dS^T (kB x kLdP), then
+// Key-block kernel. Shared: K, V (kB x kLd), P^T and dS^T (kB x kLdP each), then
 // kStages stages of a query tile: Q, dO (kB x kLd) and its rows' shift,
 // log_norm and D (kB each, accumulation type), the next tile's loads (16-byte
 // cp.async where rows allow) in flight while this one computes. Warp w owns
@@ -131,8 +131,9 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   static_assert(sizeof(A) == Cfg::kAcc);
   T* k_s = dynamic_shared<T>();
   T* v_s = k_s + kB * kLd;
-  T* t_s = v_s + kB * kLd;
-  unsigned char* stages = reinterpret_cast<unsigned char*>(t_s + kB * kLdP);
+  T* p_s = v_s + kB * kLd;  // P^T
+  T* ds_s = p_s + kB * kLdP;  // dS^T
+  unsigned char* stages = reinterpret_cast<unsigned char*>(ds_s + kB * kLdP);
   auto q_tile = [&](int st) { return reinterpret_cast<T*>(stages + st * Cfg::kBwdStageBytes); };
   auto row_stats = [&](int st) { return reinterpret_cast<A*>(q_tile(st) + 2 * kB * kLd); };  // shift, log_norm, D
 
@@ -178,15 +179,6 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
     }
     cp_async_commit();
   };
-  // The warps sharing rows exchange P^T / dS^T through t_s: a block barrier
-  // when there are several, a warp barrier otherwise.
-  auto sync_tile = [] {
-    if constexpr (kSplit > 1) {
-      sync_threads();
-    } else {
-      sync_warp();
-    }
-  };
 
   A dk[kCT][4], dv[kCT][4];
   zero(dk);
@@ -203,10 +195,10 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
     const A* d_s = shift_s + 2 * kB;
 
     // S^T and dP^T of the warp's 16 keys against its query columns n0 ..;
-    // P^T goes to t_s, dS^T stays in registers until dV has read P^T
-    A dst[kNTw][4];
+    // P^T to p_s, dS^T to ds_s
     const bool has_cols = n0 < kB;
     if (has_cols) {
+      A dst[kNTw][4];
       A st[kNTw][4];
       zero(st);
       zero(dst);
@@ -237,24 +229,29 @@ MHA_UNROLL
                              interior, (keep >> (4 * t + e)) & 1u, static_cast<A*>(p.grad_mask), st[t][e], dst[t][e]);
           }
       }
-      store_c_fragments<T>(st, t_s + row0 * kLdP + n0, kLdP, lane);
+      store_c_fragments<T>(st, p_s + row0 * kLdP + n0, kLdP, lane);
+      store_c_fragments<T>(dst, ds_s + row0 * kLdP + n0, kLdP, lane);
     }
-    sync_tile();
+    // The warps sharing rows exchange P^T and dS^T, and dQ reads every warp's
+    // dS^T: a block barrier, or a warp barrier where a warp has its rows
+    // alone and computes no dQ. (The next tile's stores wait for this tile's
+    // readers at stream_tiles' barrier.)
+    if (kSplit > 1 || dq_g != nullptr) {
+      sync_threads();
+    } else {
+      sync_warp();
+    }
     // dV += P^T dO
-    warp_mma<T>(dv, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{do_s + c_base, kLd, 1}, kB, lane, scalar, p.fp32_math);
-    sync_tile();  // P^T read before dS^T overwrites it
-    if (has_cols) store_c_fragments<T>(dst, t_s + row0 * kLdP + n0, kLdP, lane);
-    sync_tile();
+    warp_mma<T>(dv, Tile2<T>{p_s + row0 * kLdP, kLdP, 1}, Tile2<T>{do_s + c_base, kLd, 1}, kB, lane, scalar, p.fp32_math);
     // dK += dS^T Q
-    warp_mma<T>(dk, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane, scalar, p.fp32_math);
+    warp_mma<T>(dk, Tile2<T>{ds_s + row0 * kLdP, kLdP, 1}, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane, scalar, p.fp32_math);
 
     if (dq_g != nullptr) {
-      sync_threads();  // every warp's dS^T rows are written
       // dQ rows row0 .. of the tile, columns c_base .., += dS K in 32-column chunks
       for (int c0 = c_base; c0 < c_base + kCols; c0 += 8 * kChunk) {
         A dqa[kChunk][4];
         zero(dqa);
-        warp_mma<T>(dqa, Tile2<T>{t_s + row0, 1, kLdP}, Tile2<T>{k_s + c0, kLd, 1}, kB, lane, scalar, p.fp32_math);
+        warp_mma<T>(dqa, Tile2<T>{ds_s + row0, 1, kLdP}, Tile2<T>{k_s + c0, kLd, 1}, kB, lane, scalar, p.fp32_math);
         // a lane's two rows (c_row: elements 0-1, then 2-3), each from one
         // address with constant offsets where the chunk's columns are all
         // in the head dim (a per-element check and address cost about 12

@@ -64,17 +64,17 @@ static_assert(TileConfig<f16, 64>::fwd_shared_bytes(8) == 54 * 1024 &&
               TileConfig<bf16, 256>::fwd_shared_bytes(8) == 132 * 1024 && TileConfig<float, 64>::kFwdWideWarps == 4);
 
 // Backward (both kernels, TileConfig::kBwdSharedBytes): two fixed tiles
-// (K and V, or Q and dO), P^T / dS^T, and one or two stages of the streamed
+// (K and V, or Q and dO), P^T and dS^T, and one or two stages of the streamed
 // tiles (Q and dO with their rows' shift, log_norm and D, or K and V):
-//   f16/bf16: D 64: 64.5 KiB (2 stages), 128: 77.8 KiB (1), 256: 68.9 KiB (1)
-//   float:    D 64: 56.2 KiB (2), 128: 70.9 KiB (1), 256: 66.4 KiB (1)
-//   double:   D 64: 52.5 KiB (2), 128: 67.6 KiB (1), 256: 131.6 KiB (1)
+//   f16/bf16: D 64: 73.5 KiB (2 stages), 128: 86.8 KiB (1), 256: 71.4 KiB (1)
+//   float:    D 64: 60.8 KiB (2), 128: 75.4 KiB (1), 256: 67.7 KiB (1)
+//   double:   D 64: 54.8 KiB (2), 128: 69.9 KiB (1), 256: 133.9 KiB (1)
 template <typename T, int kHeadDim>
 constexpr size_t bwd_shared_bytes() {
   return TileConfig<T, kHeadDim>::kBwdSharedBytes;
 }
-static_assert(bwd_shared_bytes<f16, 64>() == 66048 && TileConfig<f16, 64>::kBwdStages == 2 &&
-              bwd_shared_bytes<f16, 128>() == 79616 && bwd_shared_bytes<double, 256>() == 134784);
+static_assert(bwd_shared_bytes<f16, 64>() == 75264 && TileConfig<f16, 64>::kBwdStages == 2 &&
+              bwd_shared_bytes<f16, 128>() == 88832 && bwd_shared_bytes<double, 256>() == 137088);
 
 // Grid rows (y) a launch over `rows` in blocks of `block` needs; CUDA allows
 // 65535, which the host checks before launching: every launch covers at

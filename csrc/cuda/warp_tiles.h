@@ -63,12 +63,14 @@ struct TileConfig {
   static constexpr int kFwdSharedBytes = fwd_shared_bytes(kFwdWarps);
   // backward: the streamed tiles (Q and dO with their rows' shift, log_norm
   // and D in the key-block kernel, K and V in the dQ kernel) double-buffered
-  // where two stages fit the same 99 KiB; the fixed tiles, P^T / dS^T, and
-  // the stages (bytes each; kAcc: the accumulation type's size)
+  // where two stages fit the same 99 KiB; the fixed tiles, P^T and dS^T (the
+  // key-block kernel's two tiles: one barrier a tile between their stores
+  // and their readers; the dQ kernel uses the first, for dS), and the stages
+  // (bytes each; kAcc: the accumulation type's size)
   static constexpr int kAcc = kElem == 8 ? 8 : 4;
   static constexpr int kBwdLdP = kBwdBlock + kPad;
   static constexpr int kBwdStageBytes = 2 * kElem * kBwdBlock * kLd + 3 * kAcc * kBwdBlock;
-  static constexpr int kBwdFixedBytes = 2 * kElem * kBwdBlock * kLd + kElem * kBwdBlock * kBwdLdP;
+  static constexpr int kBwdFixedBytes = 2 * kElem * kBwdBlock * kLd + 2 * kElem * kBwdBlock * kBwdLdP;
   static constexpr int kBwdStages = kBwdFixedBytes + 2 * kBwdStageBytes <= 99 * 1024 ? 2 : 1;
   static constexpr int kBwdSharedBytes = kBwdFixedBytes + kBwdStages * kBwdStageBytes;
 };
