@@ -158,7 +158,7 @@ def shared_and_threads(tmp):
                 '    printf("fwd-plain128 %s %d %d %d\\n", n, D, 32 * C::kFwdWideWarps / C::kFwdRowTiles,\n'
                 '           C::fwd_shared_bytes(C::kFwdWideWarps));\n  }\n'
                 '  printf("bwd %s %d %d %d\\n", n, D, 32 * C::kBwdWarps, C::kBwdSharedBytes);\n'
-                '  printf("dq %s %d %d %d\\n", n, D, 32 * C::kBwdWarps, C::kBwdSharedBytes);\n}\nint main() {\n')
+                '  printf("dq %s %d %d %d\\n", n, D, 32 * C::kBwdWarps, C::kBwdDqSharedBytes);\n}\nint main() {\n')
         for t, n in (("f16", "f16"), ("bf16", "bf16"), ("float", "float"), ("double", "double")):
             for d in (64, 128, 256):
                 f.write(f'  show<{t}, {d}>("{n}");\n')

@@ -44,5 +44,5 @@ def test_simt_primitives_are_the_ptx_instructions(tmp_path):
                   "ldmatrix.sync.aligned.m8n8.x4.shared.b16", "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
                   "cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 0",
                   "cp.async.wait_group 1", "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32",
-                  "red.global.add.f32"):
+                  "red.global.add.f32", "red.global.add.f64"):
         assert instr in text, instr

@@ -63,9 +63,10 @@ static_assert(TileConfig<f16, 64>::fwd_shared_bytes(8) == 54 * 1024 &&
               TileConfig<f16, 128>::fwd_shared_bytes(8) == 102 * 1024 &&
               TileConfig<bf16, 256>::fwd_shared_bytes(8) == 132 * 1024 && TileConfig<float, 64>::kFwdWideWarps == 4);
 
-// Backward (both kernels, TileConfig::kBwdSharedBytes): two fixed tiles
-// (K and V, or Q and dO), P^T and dS^T, and one or two stages of the streamed
-// tiles (Q and dO with their rows' shift, log_norm and D, or K and V):
+// Backward (TileConfig::kBwdSharedBytes; the deterministic dQ kernel
+// kBwdDqSharedBytes, one P tile fewer): two fixed tiles (K and V, or Q and
+// dO), P^T and dS^T (dS), and one or two stages of the streamed tiles (Q and
+// dO with their rows' shift, log_norm and D, or K and V); the key-block kernel:
 //   f16/bf16: D 64: 73.5 KiB (2 stages), 128: 86.8 KiB (1), 256: 71.4 KiB (1)
 //   float:    D 64: 60.8 KiB (2), 128: 75.4 KiB (1), 256: 67.7 KiB (1)
 //   double:   D 64: 54.8 KiB (2), 128: 69.9 KiB (1), 256: 133.9 KiB (1)
@@ -306,7 +307,7 @@ void launch_attention_bwd(const AttentionBwdParams& params, Stream stream, Check
                         smem, stream, p));
     if (p.grad_q_accum == nullptr)
       check(launch_kernel(attention_bwd_dq_kernel<T, kHeadDim>, dim3(bh, row_blocks(p.len_q, C::kBwdBlock)), block,
-                          smem, stream, p));
+                          static_cast<size_t>(C::kBwdDqSharedBytes), stream, p));
   });
 }
 

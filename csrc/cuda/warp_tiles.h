@@ -73,6 +73,7 @@ struct TileConfig {
   static constexpr int kBwdFixedBytes = 2 * kElem * kBwdBlock * kLd + 2 * kElem * kBwdBlock * kBwdLdP;
   static constexpr int kBwdStages = kBwdFixedBytes + 2 * kBwdStageBytes <= 99 * 1024 ? 2 : 1;
   static constexpr int kBwdSharedBytes = kBwdFixedBytes + kBwdStages * kBwdStageBytes;
+  static constexpr int kBwdDqSharedBytes = kBwdSharedBytes - kElem * kBwdBlock * kBwdLdP;  // one P tile
 };
 
 // The plain-load operand path (AttentionFwdParams::scalar_operands, the

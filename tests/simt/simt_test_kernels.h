@@ -41,7 +41,11 @@ MHA_KERNEL warp_ops(const float* in, float* xor_sum, float* down_sum, unsigned* 
   }
 }
 
-// Every thread adds its value into *total.
+// Every thread adds its value into *total (float64, then float32).
+MHA_KERNEL atomic_total_double(const double* in, double* total) {
+  atomic_add_global(total, in[block_idx().x * block_dim().x + thread_idx().x]);
+}
+
 MHA_KERNEL atomic_total(const float* in, float* total) {
   atomic_add_global(total, in[block_idx().x * block_dim().x + thread_idx().x]);
 }

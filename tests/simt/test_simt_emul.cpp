@@ -371,6 +371,10 @@ TEST(SimtEmulation, AtomicsAddEveryContribution) {
   float total = 0.f;
   launch(dim3(blocks), dim3(threads), 0, [&] { simt_tests::atomic_total(in.data(), &total); });
   EXPECT_EQ(total, 0.5f * blocks * threads);
+  std::vector<double> in64(blocks * threads, 0.25);
+  double total64 = 1.0;
+  launch(dim3(blocks), dim3(threads), 0, [&] { simt_tests::atomic_total_double(in64.data(), &total64); });
+  EXPECT_EQ(total64, 1.0 + 0.25 * blocks * threads);
 }
 
 TEST(SimtEmulation, GlobalAtomicOnSharedMemoryThrows) {
