@@ -176,6 +176,18 @@ def test_emul_forward_matches_cpu(backend, dtype, shape, is_causal):
     torch.testing.assert_close(lse, cpu_lse, rtol=1e-5 if dtype != torch.float64 else 1e-12, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("ev", [33, 34, 58])
+def test_emul_output_columns_past_and_odd(backend, dtype, ev):
+    # 16-bit outputs go out by column pairs where the rows allow 32-bit stores
+    # (even Ev: 34 and 58 end inside a 32-bit pair's chunk of the padded head
+    # dim 64), element by element otherwise (odd Ev: odd row stride)
+    q, k, v = make((1, 2, 2, 40, 50, 64, ev), dtype)
+    out, _, _ = backend.attention(q, k, v, None, 0.0, False, None, False)
+    cpu_out, _, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, False)
+    assert_all_like_cpu(out, cpu_out, references(q, k, v), dtype)
+
+
 def _backward(ops, q, k, v, out, lse, go, mask=None, dropout_p=0.0, is_causal=False, scale=None, gqa=False,
               rng=NO_RNG, mask_grad=False):
     return ops.attention_backward(go, q, k, v, out, lse, mask, dropout_p, is_causal, scale, gqa, rng, mask_grad)

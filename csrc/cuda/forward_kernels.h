@@ -344,9 +344,18 @@ MHA_UNROLL
       continue;
     }
     T* out = static_cast<T*>(p.out) + b * p.out_stride.b + h * p.out_stride.h;
-    for_each_output(o[rt], inv, row0, L, p.head_dim_v, lane, [&](int64_t i, int c, A x) {
-      out[i * p.out_stride.row + c * p.out_stride.col] = to_elem<T>(x);
-    });
+    // 16-bit outputs with unit column stride and 4-byte aligned rows (what
+    // the op allocates for an even Ev) go by column pairs
+    bool pairs = false;
+    if constexpr (sizeof(T) == 2) {
+      pairs = p.out_stride.col == 1 && p.out_stride.row % 2 == 0 && reinterpret_cast<uintptr_t>(out) % 4 == 0;
+      if (pairs)
+        store_output_pairs<T>(o[rt], inv, row0, L, static_cast<int>(p.head_dim_v), lane, out, p.out_stride.row);
+    }
+    if (!pairs)
+      for_each_output(o[rt], inv, row0, L, p.head_dim_v, lane, [&](int64_t i, int c, A x) {
+        out[i * p.out_stride.row + c * p.out_stride.col] = to_elem<T>(x);
+      });
     if (lane % 4 == 0) {
       A* lse = static_cast<A*>(p.lse) + p.lse_index(b, h, 0);
 MHA_UNROLL

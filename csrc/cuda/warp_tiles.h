@@ -383,6 +383,41 @@ MHA_DEVICE A row_max4(A x) {
   return nan_max(x, shfl_xor(x, 2));
 }
 
+// Stores a warp's output C fragments o (its rows from row0; x = o / the
+// row's sum, inv: the two rows' reciprocals) as elements of T into out (row
+// stride `row_stride`, unit column stride), rows i < L and columns c < Ev: a
+// lane's two adjacent columns of a row by one 32-bit store for 16-bit types
+// (the caller checks that out and row_stride keep them 4-byte aligned), each
+// row's address once.
+template <typename T, int kOT, typename A>
+MHA_DEVICE void store_output_pairs(const A (&o)[kOT][4], const A (&inv)[2], int64_t row0, int64_t L, int Ev,
+                                   int lane, T* out, int64_t row_stride) {
+  static_assert(sizeof(T) == 2, "store_output_pairs: 16-bit element types");
+  const int col = MmaLayout::c_col(lane, 0);
+  auto rows = [&](bool check_cols) {
+MHA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int64_t i = row0 + MmaLayout::c_row(lane, 2 * h);
+      if (i >= L) continue;
+      T* row = out + i * row_stride + col;
+MHA_UNROLL
+      for (int t = 0; t < kOT; ++t) {
+        const T lo = to_elem<T>(o[t][2 * h] * inv[h]), hi = to_elem<T>(o[t][2 * h + 1] * inv[h]);
+        if (!check_cols || col + 8 * t + 1 < Ev) {
+          *reinterpret_cast<uint32_t*>(row + 8 * t) = pack2(lo, hi);
+        } else if (col + 8 * t < Ev) {
+          row[8 * t] = lo;
+        }
+      }
+    }
+  };
+  if (8 * kOT <= Ev) {
+    rows(false);
+  } else {
+    rows(true);
+  }
+}
+
 // f(i, c, x) for each element of a warp's output C fragments o (its rows
 // from row0) that is a real output (i < L, c < Ev), x = o / the row's sum
 // (inv: the two rows' reciprocals).
