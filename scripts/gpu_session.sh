@@ -15,7 +15,7 @@ set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-t_tests=${1:-100}; t_bench=${2:-180}; t_suite=${3:-120}
+t_tests=${1:-150}; t_bench=${2:-180}; t_suite=${3:-120}
 stamp() { echo "==> [$(date +%T)] $*"; }
 stamp machine
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -61,8 +61,9 @@ timeout "$t_bench" python3 bench/bench_cuda.py --quick ${MHA_BENCH_ARGS:-} 2>&1 
 cp bench/out/cuda.md "$out/" 2>/dev/null
 stamp "bench done"
 stamp "ncu: one float16 forward and backward at head dim 128 (where the time goes inside the kernels)"
+# SourceCounters: executed instructions and stalls per SASS line (where the backward's instructions go)
 timeout 120 ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
-  --section InstructionStats -k regex:attention_ -c 3 python3 -c "
+  --section InstructionStats --section SourceCounters -k regex:attention_ -c 3 python3 -c "
 import torch, mha_ext
 q, k, v = (torch.randn(4, 16, 4096, 128, device='cuda', dtype=torch.float16, requires_grad=True) for _ in range(3))
 mha_ext.scaled_dot_product_attention(q, k, v).sum().backward()
