@@ -125,7 +125,8 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = Cfg::kBwdLdP, kStages = Cfg::kBwdStages;
   constexpr int kRowWarps = Cfg::kBwdRowWarps, kSplit = Cfg::kBwdColSplit, kCols = kHeadDim / kSplit;
-  constexpr int kCT = kCols / 8, kChunk = 4;  // dQ in 32-column chunks
+  // dQ in chunks of 64 columns (16-bit types: a dS fragment feeds 8 mma) or 32
+  constexpr int kCT = kCols / 8, kChunk = sizeof(T) == 2 && kCT >= 8 ? 8 : 4;
   // query columns of S^T / dP^T per warp: kNTw n-tiles (some warps have none when kSplit > kB / 8)
   constexpr int kNTw = kB / 8 / kSplit > 0 ? kB / 8 / kSplit : 1;
   static_assert(sizeof(A) == Cfg::kAcc);
@@ -202,8 +203,9 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
       A st[kNTw][4];
       zero(st);
       zero(dst);
-      warp_mma<T>(st, Tile2<T>{k_s + row0 * kLd, kLd, 1}, Tile2<T>{q_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar, p.fp32_math);
-      warp_mma<T>(dst, Tile2<T>{v_s + row0 * kLd, kLd, 1}, Tile2<T>{do_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar, p.fp32_math);
+      warp_mma_pair<T>(st, Tile2<T>{k_s + row0 * kLd, kLd, 1}, Tile2<T>{q_s + n0 * kLd, 1, kLd}, dst,
+                       Tile2<T>{v_s + row0 * kLd, kLd, 1}, Tile2<T>{do_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar,
+                       p.fp32_math);
       const bool interior = interior_tile(p, i0 + n0, i0 + n0 + 8 * kNTw - 1, j0 + row0, j0 + row0 + 15);
       const bool plain =
           plain_scores<T>(st, interior && p.grad_mask == nullptr && !p.dropout.enabled(), scale);
@@ -241,13 +243,20 @@ MHA_UNROLL
     } else {
       sync_warp();
     }
-    // dV += P^T dO
-    warp_mma<T>(dv, Tile2<T>{p_s + row0 * kLdP, kLdP, 1}, Tile2<T>{do_s + c_base, kLd, 1}, kB, lane, scalar, p.fp32_math);
-    // dK += dS^T Q
-    warp_mma<T>(dk, Tile2<T>{ds_s + row0 * kLdP, kLdP, 1}, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane, scalar, p.fp32_math);
+    // dV += P^T dO and dK += dS^T Q: in one k loop where a warp's share of
+    // the head dim is at most 64 columns (with 128, head dim 256, the second
+    // product's fragments spilled on sm_80)
+    const Tile2<T> pt{p_s + row0 * kLdP, kLdP, 1}, dst_t{ds_s + row0 * kLdP, kLdP, 1};
+    if constexpr (kCT <= 8) {
+      warp_mma_pair<T>(dv, pt, Tile2<T>{do_s + c_base, kLd, 1}, dk, dst_t, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane,
+                       scalar, p.fp32_math);
+    } else {
+      warp_mma<T>(dv, pt, Tile2<T>{do_s + c_base, kLd, 1}, kB, lane, scalar, p.fp32_math);
+      warp_mma<T>(dk, dst_t, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane, scalar, p.fp32_math);
+    }
 
     if (dq_g != nullptr) {
-      // dQ rows row0 .. of the tile, columns c_base .., += dS K in 32-column chunks
+      // dQ rows row0 .. of the tile, columns c_base .., += dS K in chunks of kChunk n-tiles
       for (int c0 = c_base; c0 < c_base + kCols; c0 += 8 * kChunk) {
         A dqa[kChunk][4];
         zero(dqa);
@@ -357,8 +366,9 @@ MHA_UNROLL
       A s[kNTw][4], dp[kNTw][4];
       zero(s);
       zero(dp);
-      warp_mma<T>(s, Tile2<T>{q_s + row0 * kLd, kLd, 1}, Tile2<T>{k_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar, p.fp32_math);
-      warp_mma<T>(dp, Tile2<T>{do_s + row0 * kLd, kLd, 1}, Tile2<T>{v_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar, p.fp32_math);
+      warp_mma_pair<T>(s, Tile2<T>{q_s + row0 * kLd, kLd, 1}, Tile2<T>{k_s + n0 * kLd, 1, kLd}, dp,
+                       Tile2<T>{do_s + row0 * kLd, kLd, 1}, Tile2<T>{v_s + n0 * kLd, 1, kLd}, kHeadDim, lane, scalar,
+                       p.fp32_math);
       const bool interior = interior_tile(p, i0 + row0, i0 + row0 + 15, j0 + n0, j0 + n0 + 8 * kNTw - 1);
       const bool plain = plain_scores<T>(s, interior && !p.dropout.enabled(), scale);
       const uint32_t keep =

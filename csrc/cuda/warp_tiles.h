@@ -187,52 +187,56 @@ MHA_UNROLL
   }
 }
 
-// 16-bit types on the tensor cores: acc[rt] += A_rt B for each row tile rt,
-// A_rt the 16 rows of A from row 16 rt (the warp's row tiles), each B
-// fragment loaded once for all of them. (Every row tile runs: a branch
-// around some of the mma made nvcc put a WARPSYNC before each of them.)
+// 16-bit types on the tensor cores, one k step of 16: acc[rt] += A_rt B for
+// each row tile rt, A_rt the 16 rows of A from row 16 rt (the warp's row
+// tiles), each B fragment loaded once for all of them. (Every row tile runs:
+// a branch around some of the mma made nvcc put a WARPSYNC before each of them.)
+template <typename T, int kRT, int NT>
+MHA_DEVICE void mma16_k_step(float (&acc)[kRT][NT][4], Tile2<T> a, Tile2<T> b, int k0, int lane, bool scalar) {
+  static_assert(NT % 2 == 0, "B fragments come by ldmatrix x4, two n-tiles at a time");
+  const int r8 = lane % 8, m_lo = (lane / 8) % 2, m_hi = lane / 16;
+  uint32_t af[kRT][4];  // matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
+MHA_UNROLL
+  for (int rt = 0; rt < kRT; ++rt) {
+    const Tile2<T> at{a.p + 16 * rt * a.rs, a.rs, a.cs};
+    if (scalar) {
+      a_frag_scalar(af[rt], at, k0, lane);
+    } else if (a.cs == 1) {
+      ldmatrix_x4(af[rt], at.p + (r8 + 8 * m_lo) * a.rs + k0 + 8 * m_hi);
+    } else {
+      ldmatrix_x4_trans(af[rt], at.p + (k0 + 8 * m_hi + r8) * a.cs + 8 * m_lo);
+    }
+  }
+MHA_UNROLL
+  for (int nt = 0; nt < NT; nt += 2) {
+    uint32_t bf[4];  // matrices: (n-tile nt, k 0-7), (nt, k 8-15), (nt + 1, k 0-7), (nt + 1, k 8-15)
+    if (scalar) {
+      uint32_t s0[2], s1[2];
+      b_frag_scalar(s0, b, k0, nt, lane);
+      b_frag_scalar(s1, b, k0, nt + 1, lane);
+      bf[0] = s0[0], bf[1] = s0[1], bf[2] = s1[0], bf[3] = s1[1];
+    } else if (b.rs == 1) {
+      ldmatrix_x4(bf, b.p + (8 * nt + 8 * m_hi + r8) * b.cs + k0 + 8 * m_lo);
+    } else {
+      ldmatrix_x4_trans(bf, b.p + (k0 + 8 * m_lo + r8) * b.rs + 8 * (nt + m_hi));
+    }
+    const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+MHA_UNROLL
+    for (int rt = 0; rt < kRT; ++rt) {
+      mma_m16n8k16<T>(acc[rt][nt], af[rt], b0);
+      mma_m16n8k16<T>(acc[rt][nt + 1], af[rt], b1);
+    }
+  }
+}
+
+// acc += A B over K (a multiple of 16), k step by k step.
 template <typename T, int kRT, int NT>
 MHA_DEVICE void warp_mma16(float (&acc)[kRT][NT][4], Tile2<T> a, Tile2<T> b, int K, int lane, bool scalar) {
-  static_assert(NT % 2 == 0, "B fragments come by ldmatrix x4, two n-tiles at a time");
   scalar = kScalarOperandsBuilt && scalar;
-  const int r8 = lane % 8, m_lo = (lane / 8) % 2, m_hi = lane / 16;
   // not unrolled over k: unrolled, nvcc hoists the fragments of every k
   // step and the f16 backward at head dim 64 spilled (255 registers)
 MHA_NO_UNROLL
-  for (int k0 = 0; k0 < K; k0 += 16) {
-    uint32_t af[kRT][4];  // matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
-MHA_UNROLL
-    for (int rt = 0; rt < kRT; ++rt) {
-      const Tile2<T> at{a.p + 16 * rt * a.rs, a.rs, a.cs};
-      if (scalar) {
-        a_frag_scalar(af[rt], at, k0, lane);
-      } else if (a.cs == 1) {
-        ldmatrix_x4(af[rt], at.p + (r8 + 8 * m_lo) * a.rs + k0 + 8 * m_hi);
-      } else {
-        ldmatrix_x4_trans(af[rt], at.p + (k0 + 8 * m_hi + r8) * a.cs + 8 * m_lo);
-      }
-    }
-MHA_UNROLL
-    for (int nt = 0; nt < NT; nt += 2) {
-      uint32_t bf[4];  // matrices: (n-tile nt, k 0-7), (nt, k 8-15), (nt + 1, k 0-7), (nt + 1, k 8-15)
-      if (scalar) {
-        uint32_t s0[2], s1[2];
-        b_frag_scalar(s0, b, k0, nt, lane);
-        b_frag_scalar(s1, b, k0, nt + 1, lane);
-        bf[0] = s0[0], bf[1] = s0[1], bf[2] = s1[0], bf[3] = s1[1];
-      } else if (b.rs == 1) {
-        ldmatrix_x4(bf, b.p + (8 * nt + 8 * m_hi + r8) * b.cs + k0 + 8 * m_lo);
-      } else {
-        ldmatrix_x4_trans(bf, b.p + (k0 + 8 * m_lo + r8) * b.rs + 8 * (nt + m_hi));
-      }
-      const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
-MHA_UNROLL
-      for (int rt = 0; rt < kRT; ++rt) {
-        mma_m16n8k16<T>(acc[rt][nt], af[rt], b0);
-        mma_m16n8k16<T>(acc[rt][nt + 1], af[rt], b1);
-      }
-    }
-  }
+  for (int k0 = 0; k0 < K; k0 += 16) mma16_k_step<T, kRT, NT>(acc, a, b, k0, lane, scalar);
 }
 
 template <typename T, int NT, typename A>
@@ -258,6 +262,28 @@ MHA_UNROLL
         acc[nt][3] += a1 * b1;
       }
     }
+  }
+}
+
+// acc1 += A1 B1 and acc2 += A2 B2 over the same K: for 16-bit types in one
+// k loop, so that each step has both products' mma to issue (the backward's
+// S^T and dP^T, dV and dK: twice the independent mma between the loop's
+// branch and the next step's operand loads); each accumulator sums k in
+// the order warp_mma does, so the results are the same bits as two calls.
+// Other types: two warp_mma calls.
+template <typename T, int NT, typename A>
+MHA_DEVICE void warp_mma_pair(A (&acc1)[NT][4], Tile2<T> a1, Tile2<T> b1, A (&acc2)[NT][4], Tile2<T> a2,
+                              Tile2<T> b2, int K, int lane, bool scalar, Fp32Math fp32) {
+  if constexpr (sizeof(T) == 2) {
+    scalar = kScalarOperandsBuilt && scalar;
+MHA_NO_UNROLL
+    for (int k0 = 0; k0 < K; k0 += 16) {
+      mma16_k_step<T, 1, NT>(reinterpret_cast<float(&)[1][NT][4]>(acc1), a1, b1, k0, lane, scalar);
+      mma16_k_step<T, 1, NT>(reinterpret_cast<float(&)[1][NT][4]>(acc2), a2, b2, k0, lane, scalar);
+    }
+  } else {
+    warp_mma<T>(acc1, a1, b1, K, lane, scalar, fp32);
+    warp_mma<T>(acc2, a2, b2, K, lane, scalar, fp32);
   }
 }
 
