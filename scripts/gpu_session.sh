@@ -3,7 +3,8 @@
 # python3 and torch; nothing can be installed there): build mha_ext against
 # that torch, the CUDA test cases, the C++ input checks (and a native backtrace
 # of one under cuda-gdb: on that machine's torch 2.11 they crashed),
-# bench/bench_cuda.py --quick, an ncu profile of one forward and backward,
+# bench/bench_cuda.py --quick, an ncu profile of one forward and backward
+# (and of the forward at L = 512 beside flash's, with a timing of it),
 # then the whole suite. Each stage has its own
 # time limit so that a slow one cannot eat the next; logs go to $OUT (or
 # ./gpu_out). Test-only wheels the image lacks
@@ -69,6 +70,38 @@ q, k, v = (torch.randn(4, 16, 4096, 128, device='cuda', dtype=torch.float16, req
 mha_ext.scaled_dot_product_attention(q, k, v).sum().backward()
 torch.cuda.synchronize()" > "$out/ncu.txt" 2>&1
 rc=$?; tail -5 "$out/ncu.txt"; stamp "ncu rc=$rc"
+# Short sequences are where the forward is furthest from flash (H100: 0.30 of it at L = 512 and
+# 0.56-0.59 at 8192 for the same FLOPs): the same call timed with and without inputs that need
+# grad (the bench's inputs do), then both kernels under ncu
+stamp "the forward at L = 512 (B 186, H 8, head dim 128, float16): timing, then ncu of ours and flash's"
+timeout 60 python3 -c "
+import torch, mha_ext, torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel, SDPBackend
+q, k, v = (torch.randn(186, 8, 512, 128, device='cuda', dtype=torch.float16) for _ in range(3))
+qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+def flash(a, b, c):
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        return F.scaled_dot_product_attention(a, b, c)
+def ms(f, *a):
+    for _ in range(3): f(*a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(20): f(*a)
+    e.record(); torch.cuda.synchronize(); return s.elapsed_time(e) / 20
+for name, f, a in [('mha_ext', mha_ext.scaled_dot_product_attention, (q, k, v)),
+                   ('mha_ext, inputs need grad', mha_ext.scaled_dot_product_attention, (qg, kg, vg)),
+                   ('flash', flash, (q, k, v)), ('flash, inputs need grad', flash, (qg, kg, vg))]:
+    print(f'{name}: {ms(f, *a):.3f} ms')" 2>&1 | tee "$out/l512_times.txt"
+timeout 90 ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
+  --section LaunchStats --section SchedulerStats -k regex:"attention_fwd|flash_fwd" -c 2 python3 -c "
+import torch, mha_ext, torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel, SDPBackend
+q, k, v = (torch.randn(186, 8, 512, 128, device='cuda', dtype=torch.float16) for _ in range(3))
+mha_ext.scaled_dot_product_attention(q, k, v)
+with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+    F.scaled_dot_product_attention(q, k, v)
+torch.cuda.synchronize()" > "$out/ncu_l512.txt" 2>&1
+rc=$?; tail -5 "$out/ncu_l512.txt"; stamp "ncu L = 512 rc=$rc"
 [ "$t_suite" = 0 ] && exit 0
 stamp "whole suite (-n 14; the transformers models and the wheel test need what the machine lacks)"
 timeout "$t_suite" python3 -m pytest -q -p no:cacheprovider -n 14 -rfE ${MHA_SUITE:-tests} \
