@@ -92,7 +92,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   // and float16 with more than 8 rows a head too, once bound by arithmetic
   // and left out: since the 16-row routines fetch strided rows spread over
   // their steps, split-major ran bfloat16 with 12 and 16 rows 1.10-1.30x and
-  // float16 with 16 rows 1.15-1.20x (the README, "Decoding on a newer CPU").
+  // float16 with 16 rows 1.15-1.20x (docs/performance.md, "Decoding on a newer CPU").
   const int64_t kv_bytes =
       heads * std::max<int64_t>(kv_end - kv_begin, 0) * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t));
   const bool heads_in_rows = Hkv > 1 && p.k_stride.h < p.k_stride.row && p.v_stride.h < p.v_stride.row &&
@@ -154,7 +154,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   // at::parallel_for's fixed ranges of items give one thread the long ones.
   // Where they would leave a thread over a quarter more keys than an even
   // share, the threads claim groups of items from a shared counter as they
-  // go instead (the README, "KV cache"). Elsewhere the fixed ranges stay:
+  // go instead (docs/performance.md, "Caches of different lengths"). Elsewhere the fixed ranges stay:
   // a thread keeps the same items from one decode step to the next, and
   // their keys in its caches (claimed items moved between the cores and a
   // generation loop ran up to a third slower), and small calls skip the

@@ -89,7 +89,7 @@ struct RowFetch {
 // bfloat16 K/V 1.7x and float32 1.3x faster (AMD EPYC family 26, the README,
 // "Decoding on a newer CPU"). Into L1 did better than into L2, 2-16 KiB ahead
 // within noise of each other. Called at each key with its row, in one of two
-// forms, each the better of the two where measured (the README, "Decoding";
+// forms, each the better of the two where measured (docs/performance.md, "Decoding";
 // float32 at 64 and 128 columns, 16-bit rows against the block's lines at
 // once, the former burst):
 // - bfloat16 / float16 rows, and float32 rows of up to kRowAheadBytes, fetch

@@ -15,7 +15,7 @@ using namespace mha_ext::simt;
 
 // Tile shapes per element type and padded head dim. The shared-memory bytes
 // of each are listed in launch.h next to the launch; registers, spills and
-// warps per SM of every configuration are in the README ("CUDA"), from
+// warps per SM of every configuration are in docs/cuda.md, from
 // scripts/kernel_report.py.
 template <typename T, int kHeadDim>
 struct TileConfig {
@@ -31,7 +31,7 @@ struct TileConfig {
   // backward: key rows per block = query rows per tile, 16 per row warp;
   // kBwdColSplit warps share each 16 rows, each holding dK / dV (and
   // computing dQ) for 1 / kBwdColSplit of the head dim, so that the
-  // accumulators fit in registers (registers and spills: README, "CUDA").
+  // accumulators fit in registers (registers and spills: docs/cuda.md).
   static constexpr int kBwdRowWarps = kElem == 2 ? (kHeadDim <= 128 ? 4 : 2) : (kElem == 4 ? (kHeadDim <= 128 ? 2 : 1) : 1);
   static constexpr int kBwdColSplit = kElem == 2 ? (kHeadDim <= 64 ? 1 : 2)
                                       : kElem == 4 ? (kHeadDim <= 64 ? 2 : 4)
@@ -82,7 +82,7 @@ struct TileConfig {
 // with MHA_EXT_SCALAR_OPERANDS=1. Built in, its predicated-off plain loads
 // still issue in every k step of the default path (sm_90 SASS: 8 for 4 mma in
 // the backward's S^T loop), so the default build leaves it out, since GPUs
-// have run both paths to the same results (README, "CUDA").
+// have run both paths to the same results (docs/cuda.md).
 #if defined(MHA_SCALAR_OPERANDS)
 constexpr bool kScalarOperandsBuilt = true;
 #else
