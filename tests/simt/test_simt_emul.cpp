@@ -4,9 +4,11 @@
 // reported instead of hanging; mma.sync and ldmatrix follow the PTX ISA's
 // per-lane tables (written out here independently of mma.h), and cp.async
 // data is there only after the wait of its group (and a barrier, for other
-// threads).
+// threads). The warp-wide products of warp_tiles.h: warp_mma_pair gives the
+// bits of two warp_mma calls.
 #define MHA_SIMT_EMULATION 1
 #include "simt_test_kernels.h"
+#include "../../csrc/cuda/warp_tiles.h"
 
 #include <gtest/gtest.h>
 
@@ -389,5 +391,55 @@ TEST(SimtEmulation, DivergentBarrierIsReportedNotHung) {
   EXPECT_THROW(launch(dim3(1), dim3(64), 0, [&] { simt_tests::divergent_barrier(out.data()); }),
                std::runtime_error);
 }
+
+// warp_mma_pair (the backward's S^T with dP^T, dV with dK) runs two products
+// in one k loop: each accumulator must get the bits two warp_mma calls give
+// (same k order), and both must be the plain product. Inputs of mixed
+// magnitudes, so that another summation order would change low bits.
+template <typename T16>
+MHA_KERNEL mma_pair_and_single(const T16* in, float* out) {
+  using namespace mha_ext::device;
+  constexpr int kK = 64, kLd = kK + 8, kTile = 32 * kLd;  // A: 16 x K by rows; B: 32 columns x K
+  T16* s = dynamic_shared<T16>();
+  const int lane = static_cast<int>(thread_idx().x);
+  for (int t = 0; t < 4; ++t)
+    for (int e = lane; e < 32 * kK; e += kWarpSize) s[t * kTile + (e / kK) * kLd + e % kK] = in[t * 32 * kK + e];
+  sync_threads();
+  auto a = [&](int t) { return Tile2<T16>{s + t * kTile, kLd, 1}; };
+  auto b = [&](int t) { return Tile2<T16>{s + t * kTile, 1, kLd}; };
+  float p1[4][4] = {}, p2[4][4] = {}, s1[4][4] = {}, s2[4][4] = {};
+  warp_mma_pair<T16>(p1, a(0), b(1), p2, a(2), b(3), kK, lane, false, mha_ext::Fp32Math::kCudaCores);
+  warp_mma<T16>(s1, a(0), b(1), kK, lane, false, mha_ext::Fp32Math::kCudaCores);
+  warp_mma<T16>(s2, a(2), b(3), kK, lane, false, mha_ext::Fp32Math::kCudaCores);
+  float* acc[4] = {&p1[0][0], &p2[0][0], &s1[0][0], &s2[0][0]};
+  for (int x = 0; x < 4; ++x)
+    for (int nt = 0; nt < 4; ++nt)
+      for (int e = 0; e < 4; ++e)
+        out[x * 512 + MmaLayout::c_row(lane, e) * 32 + 8 * nt + MmaLayout::c_col(lane, e)] = acc[x][nt * 4 + e];
+}
+
+template <typename T16>
+void check_mma_pair() {
+  constexpr int kK = 64;
+  std::vector<T16> in(4 * 32 * kK);
+  for (size_t i = 0; i < in.size(); ++i)
+    in[i] = T16(static_cast<float>(static_cast<int>((i * 37) % 29) - 14) * (i % 7 == 0 ? 64.f : i % 3 == 0 ? 1.f / 64 : 1.f) / 8.f);
+  std::vector<float> out(4 * 512, -1.f);
+  launch(dim3(1), dim3(32), 4 * 32 * (kK + 8) * sizeof(T16),
+         [&] { mma_pair_and_single<T16>(in.data(), out.data()); });
+  for (int x = 0; x < 2; ++x)
+    for (int m = 0; m < 16; ++m)
+      for (int n = 0; n < 32; ++n) {
+        const float pair = out[x * 512 + m * 32 + n], single = out[(x + 2) * 512 + m * 32 + n];
+        EXPECT_EQ(bits(pair), bits(single)) << "product " << x << " m " << m << " n " << n;
+        double want = 0.0;  // A rows of tile 2x, B columns of tile 2x + 1
+        for (int k = 0; k < kK; ++k)
+          want += double(float(in[(2 * x) * 32 * kK + m * kK + k])) * double(float(in[(2 * x + 1) * 32 * kK + n * kK + k]));
+        EXPECT_NEAR(pair, want, 1e-3 * (1.0 + std::abs(want))) << "product " << x << " m " << m << " n " << n;
+      }
+}
+
+TEST(SimtEmulation, MmaPairIsTwoProductsBitForBitHalf) { check_mma_pair<mha_ext::simt::f16>(); }
+TEST(SimtEmulation, MmaPairIsTwoProductsBitForBitBFloat16) { check_mma_pair<mha_ext::simt::bf16>(); }
 
 }  // namespace
