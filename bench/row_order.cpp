@@ -31,20 +31,25 @@ double seconds(const std::function<void()>& fn) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// The dot products of 4 query rows with key rows c .. c + 3, 16 sums in
-// registers; interleaved: a 16-column block of each row in turn; in order:
-// each row whole before the next.
-template <bool kInOrder>
-void scores(const float* k, const float* q, float* s) {
-  for (long c = 0; c < kRows; c += 4) {
+// The dot products of 4 query rows with key rows c .. c + 3 for c in
+// [c0, c1), 16 sums in registers; interleaved: a 16-column block of each row
+// in turn; in order: each row whole before the next, and with kAhead its
+// bytes 4 KiB on fetched into L1 first.
+template <bool kInOrder, bool kAhead = false>
+void scores(const float* k, const float* q, float* s, long c0 = 0, long c1 = kRows) {
+  for (long c = c0; c < c1; c += 4) {
     __m512 acc[16];
     for (auto& a : acc) a = _mm512_setzero_ps();
     if (kInOrder) {
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < 4; ++j) {
+        const char* row = reinterpret_cast<const char*>(k + (c + j) * kCols);
+        if (kAhead)
+          for (long b = 0; b < kCols * 4; b += 64) _mm_prefetch(row + 4096 + b, _MM_HINT_T0);
         for (int e = 0; e < kCols; e += 16) {
           const __m512 kv = _mm512_load_ps(k + (c + j) * kCols + e);
           for (int r = 0; r < 4; ++r) acc[r * 4 + j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * kCols + e), kv, acc[r * 4 + j]);
         }
+      }
     } else {
       for (int e = 0; e < kCols; e += 16)
         for (int j = 0; j < 4; ++j) {
@@ -55,31 +60,12 @@ void scores(const float* k, const float* q, float* s) {
     for (int i = 0; i < 16; ++i) s[c * 4 + i] = _mm512_reduce_add_ps(acc[i]);
   }
 }
-// The 4-row dots of `scores` over rows [c0, c1), in order; with kAhead, each
-// row's bytes 4 KiB on fetched into L1 first.
-template <bool kAhead>
-void scores_rows(const float* k, const float* q, float* s, long c0, long c1) {
-  for (long c = c0; c < c1; c += 4) {
-    __m512 acc[16];
-    for (auto& a : acc) a = _mm512_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      const char* row = reinterpret_cast<const char*>(k + (c + j) * kCols);
-      if (kAhead)
-        for (long b = 0; b < kCols * 4; b += 64) _mm_prefetch(row + 4096 + b, _MM_HINT_T0);
-      for (int e = 0; e < kCols; e += 16) {
-        const __m512 kv = _mm512_load_ps(k + (c + j) * kCols + e);
-        for (int r = 0; r < 4; ++r) acc[r * 4 + j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * kCols + e), kv, acc[r * 4 + j]);
-      }
-    }
-    for (int i = 0; i < 16; ++i) s[c * 4 + i] = _mm512_reduce_add_ps(acc[i]);
-  }
-}
 // K and V in turn, 256 rows of each at a time (a decode step's tiles)
 template <bool kAhead>
 void tiles_in_turn(const float* k, const float* v, const float* q, float* s) {
   for (long c0 = 0; c0 < kRows; c0 += 256) {
-    scores_rows<kAhead>(k, q, s, c0, c0 + 256);
-    scores_rows<kAhead>(v, q, s, c0, c0 + 256);
+    scores<true, kAhead>(k, q, s, c0, c0 + 256);
+    scores<true, kAhead>(v, q, s, c0, c0 + 256);
   }
 }
 // 16 independent chains of n fused multiply-adds each: the core's rate
