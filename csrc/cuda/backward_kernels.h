@@ -129,6 +129,12 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   constexpr int kCT = kCols / 8, kChunk = sizeof(T) == 2 && kCT >= 8 ? 8 : 4;
   // query columns of S^T / dP^T per warp: kNTw n-tiles (some warps have none when kSplit > kB / 8)
   constexpr int kNTw = kB / 8 / kSplit > 0 ? kB / 8 / kSplit : 1;
+  // 16-bit types where a warp has its 16 keys alone (every query column of
+  // the tile): P^T and dS^T stay in registers as the A operands of dV and dK
+  // (a_frag_from_c), as the forward keeps P; dS^T still goes to shared
+  // memory when this kernel computes dQ
+  constexpr bool kRegs = sizeof(T) == 2 && kSplit == 1;
+  static_assert(!kRegs || kNTw * 8 == kB, "P^T in registers needs every query column of the tile");
   static_assert(sizeof(A) == Cfg::kAcc);
   T* k_s = dynamic_shared<T>();
   T* v_s = k_s + kB * kLd;
@@ -196,11 +202,11 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
     const A* d_s = shift_s + 2 * kB;
 
     // S^T and dP^T of the warp's 16 keys against its query columns n0 ..;
-    // P^T to p_s, dS^T to ds_s
+    // P^T to p_s, dS^T to ds_s (kRegs: kept in st and dst; dS^T to ds_s for dQ)
     const bool has_cols = n0 < kB;
+    A dst[kNTw][4];
+    A st[kNTw][4];
     if (has_cols) {
-      A dst[kNTw][4];
-      A st[kNTw][4];
       zero(st);
       zero(dst);
       warp_mma_pair<T>(st, Tile2<T>{k_s + row0 * kLd, kLd, 1}, Tile2<T>{q_s + n0 * kLd, 1, kLd}, dst,
@@ -231,23 +237,36 @@ MHA_UNROLL
                              interior, (keep >> (4 * t + e)) & 1u, static_cast<A*>(p.grad_mask), st[t][e], dst[t][e]);
           }
       }
-      store_c_fragments<T>(st, p_s + row0 * kLdP + n0, kLdP, lane);
-      store_c_fragments<T>(dst, ds_s + row0 * kLdP + n0, kLdP, lane);
+      if constexpr (!kRegs) store_c_fragments<T>(st, p_s + row0 * kLdP + n0, kLdP, lane);
+      if (!kRegs || dq_g != nullptr) store_c_fragments<T>(dst, ds_s + row0 * kLdP + n0, kLdP, lane);
     }
     // The warps sharing rows exchange P^T and dS^T, and dQ reads every warp's
     // dS^T: a block barrier, or a warp barrier where a warp has its rows
-    // alone and computes no dQ. (The next tile's stores wait for this tile's
-    // readers at stream_tiles' barrier.)
+    // alone and computes no dQ, none where those stay in its registers too.
+    // (The next tile's stores wait for this tile's readers at stream_tiles'
+    // barrier.)
     if (kSplit > 1 || dq_g != nullptr) {
       sync_threads();
-    } else {
+    } else if constexpr (!kRegs) {
       sync_warp();
     }
     // dV += P^T dO and dK += dS^T Q: in one k loop where a warp's share of
     // the head dim is at most 64 columns (with 128, head dim 256, the second
-    // product's fragments spilled on sm_80)
+    // product's fragments spilled on sm_80); each k step's A fragments from
+    // the registers where kRegs (the same bits and k order as from p_s, ds_s)
     const Tile2<T> pt{p_s + row0 * kLdP, kLdP, 1}, dst_t{ds_s + row0 * kLdP, kLdP, 1};
-    if constexpr (kCT <= 8) {
+    if constexpr (kRegs) {
+      using Frags = float(&)[1][kCT][4];
+MHA_UNROLL
+      for (int kk = 0; kk < kB / 16; ++kk) {
+        uint32_t pa[1][4], da[1][4];
+        a_frag_from_c<T>(pa[0], st, kk);
+        a_frag_from_c<T>(da[0], dst, kk);
+        const bool sc = kScalarOperandsBuilt && scalar;
+        mma16_b_step<T, 1, kCT>(reinterpret_cast<Frags>(dv), pa, Tile2<T>{do_s + c_base, kLd, 1}, 16 * kk, lane, sc);
+        mma16_b_step<T, 1, kCT>(reinterpret_cast<Frags>(dk), da, Tile2<T>{q_s + c_base, kLd, 1}, 16 * kk, lane, sc);
+      }
+    } else if constexpr (kCT <= 8) {
       warp_mma_pair<T>(dv, pt, Tile2<T>{do_s + c_base, kLd, 1}, dk, dst_t, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane,
                        scalar, p.fp32_math);
     } else {
@@ -314,6 +333,9 @@ MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams params) {
   constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = Cfg::kBwdLdP, kStages = Cfg::kBwdStages;
   constexpr int kRowWarps = Cfg::kBwdRowWarps, kSplit = Cfg::kBwdColSplit, kCols = kHeadDim / kSplit;
   constexpr int kCT = kCols / 8, kNTw = kB / 8 / kSplit > 0 ? kB / 8 / kSplit : 1;
+  // dS kept in registers as the A operand of dQ, as the key-block kernel keeps P^T
+  constexpr bool kRegs = sizeof(T) == 2 && kSplit == 1;
+  static_assert(!kRegs || kNTw * 8 == kB, "dS in registers needs every key column of the tile");
   T* q_s = dynamic_shared<T>();
   T* do_s = q_s + kB * kLd;
   T* t_s = do_s + kB * kLd;
@@ -362,8 +384,9 @@ MHA_UNROLL
   stream_tiles<kStages>(j_first, kv_end, kB, issue, [&](int64_t j0, int stage) {
     const T* k_s = k_tile(stage);
     const T* v_s = k_s + kB * kLd;
+    A dp[kNTw][4];
     if (n0 < kB) {  // dS of the warp's rows and key columns n0 .., for every warp sharing the rows
-      A s[kNTw][4], dp[kNTw][4];
+      A s[kNTw][4];
       zero(s);
       zero(dp);
       warp_mma_pair<T>(s, Tile2<T>{q_s + row0 * kLd, kLd, 1}, Tile2<T>{k_s + n0 * kLd, 1, kLd}, dp,
@@ -392,15 +415,26 @@ MHA_UNROLL
                              interior, (keep >> (4 * t + e)) & 1u, static_cast<A*>(nullptr), s[t][e], dp[t][e]);
           }
       }
-      store_c_fragments<T>(dp, t_s + row0 * kLdP + n0, kLdP, lane);
-    }
-    if constexpr (kSplit > 1) {
-      sync_threads();
-    } else {
-      sync_warp();
+      if constexpr (!kRegs) store_c_fragments<T>(dp, t_s + row0 * kLdP + n0, kLdP, lane);
     }
     // dQ += dS K
-    warp_mma<T>(dq, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{k_s + c_base, kLd, 1}, kB, lane, scalar, p.fp32_math);
+    if constexpr (kRegs) {
+MHA_UNROLL
+      for (int kk = 0; kk < kB / 16; ++kk) {
+        uint32_t da[1][4];
+        a_frag_from_c<T>(da[0], dp, kk);
+        mma16_b_step<T, 1, kCT>(reinterpret_cast<float(&)[1][kCT][4]>(dq), da, Tile2<T>{k_s + c_base, kLd, 1},
+                                16 * kk, lane, kScalarOperandsBuilt && scalar);
+      }
+    } else {
+      if constexpr (kSplit > 1) {
+        sync_threads();
+      } else {
+        sync_warp();
+      }
+      warp_mma<T>(dq, Tile2<T>{t_s + row0 * kLdP, kLdP, 1}, Tile2<T>{k_s + c_base, kLd, 1}, kB, lane, scalar,
+                  p.fp32_math);
+    }
   });
 
   T* dq_g = static_cast<T*>(p.grad_q) + b * p.grad_q_stride.b + h * p.grad_q_stride.h;

@@ -272,6 +272,8 @@ MHA_UNROLL
     if constexpr (kPInRegisters) {  // O += P V: P's A fragments from the C fragments of 16 keys, V by ldmatrix.trans
 MHA_UNROLL
       for (int kk = 0; kk < kN / 16; ++kk) {
+        // (a_frag_from_c's packing, written out: the call cost this kernel 3
+        // registers at head dim 64, 12 -> 8 warps per SM on sm_90; docs/cuda.md)
         uint32_t pa[kRT][4];
 MHA_UNROLL
         for (int rt = 0; rt < kRT; ++rt) {

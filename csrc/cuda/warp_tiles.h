@@ -187,26 +187,16 @@ MHA_UNROLL
   }
 }
 
-// 16-bit types on the tensor cores, one k step of 16: acc[rt] += A_rt B for
-// each row tile rt, A_rt the 16 rows of A from row 16 rt (the warp's row
-// tiles), each B fragment loaded once for all of them. (Every row tile runs:
-// a branch around some of the mma made nvcc put a WARPSYNC before each of them.)
+// 16-bit types on the tensor cores, one k step of 16 with A's fragments
+// given: acc[rt] += A_rt B, A_rt's fragment af[rt] (rows 16 rt .. of the
+// warp's row tiles), each B fragment loaded once for all of them. (Every row
+// tile runs: a branch around some of the mma made nvcc put a WARPSYNC before
+// each of them.)
 template <typename T, int kRT, int NT>
-MHA_DEVICE void mma16_k_step(float (&acc)[kRT][NT][4], Tile2<T> a, Tile2<T> b, int k0, int lane, bool scalar) {
+MHA_DEVICE void mma16_b_step(float (&acc)[kRT][NT][4], const uint32_t (&af)[kRT][4], Tile2<T> b, int k0, int lane,
+                             bool scalar) {
   static_assert(NT % 2 == 0, "B fragments come by ldmatrix x4, two n-tiles at a time");
   const int r8 = lane % 8, m_lo = (lane / 8) % 2, m_hi = lane / 16;
-  uint32_t af[kRT][4];  // matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
-MHA_UNROLL
-  for (int rt = 0; rt < kRT; ++rt) {
-    const Tile2<T> at{a.p + 16 * rt * a.rs, a.rs, a.cs};
-    if (scalar) {
-      a_frag_scalar(af[rt], at, k0, lane);
-    } else if (a.cs == 1) {
-      ldmatrix_x4(af[rt], at.p + (r8 + 8 * m_lo) * a.rs + k0 + 8 * m_hi);
-    } else {
-      ldmatrix_x4_trans(af[rt], at.p + (k0 + 8 * m_hi + r8) * a.cs + 8 * m_lo);
-    }
-  }
 MHA_UNROLL
   for (int nt = 0; nt < NT; nt += 2) {
     uint32_t bf[4];  // matrices: (n-tile nt, k 0-7), (nt, k 8-15), (nt + 1, k 0-7), (nt + 1, k 8-15)
@@ -226,6 +216,40 @@ MHA_UNROLL
       mma_m16n8k16<T>(acc[rt][nt], af[rt], b0);
       mma_m16n8k16<T>(acc[rt][nt + 1], af[rt], b1);
     }
+  }
+}
+
+// The same with A from shared memory (a), loaded by ldmatrix.
+template <typename T, int kRT, int NT>
+MHA_DEVICE void mma16_k_step(float (&acc)[kRT][NT][4], Tile2<T> a, Tile2<T> b, int k0, int lane, bool scalar) {
+  const int r8 = lane % 8, m_lo = (lane / 8) % 2, m_hi = lane / 16;
+  uint32_t af[kRT][4];  // matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
+MHA_UNROLL
+  for (int rt = 0; rt < kRT; ++rt) {
+    const Tile2<T> at{a.p + 16 * rt * a.rs, a.rs, a.cs};
+    if (scalar) {
+      a_frag_scalar(af[rt], at, k0, lane);
+    } else if (a.cs == 1) {
+      ldmatrix_x4(af[rt], at.p + (r8 + 8 * m_lo) * a.rs + k0 + 8 * m_hi);
+    } else {
+      ldmatrix_x4_trans(af[rt], at.p + (k0 + 8 * m_hi + r8) * a.cs + 8 * m_lo);
+    }
+  }
+  mma16_b_step<T, kRT, NT>(acc, af, b, k0, lane, scalar);
+}
+
+// The A fragment of k step kk (columns 16 kk .. 16 kk + 15) of a 16-row
+// operand held in C fragments, c[2 kk] and c[2 kk + 1] (8 columns each),
+// rounded to T: a lane's C elements (row g, columns 2 t, 2 t + 1; row g + 8,
+// the same) are its A elements at those places (the m16n8k16 layouts), so
+// packing them is the whole change of layout, and gives the bits that
+// store_c_fragments then ldmatrix would.
+template <typename T, typename A, int N>
+MHA_DEVICE void a_frag_from_c(uint32_t (&af)[4], const A (&c)[N][4], int kk) {
+MHA_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    af[2 * h] = pack2(to_elem<T>(c[2 * kk + h][0]), to_elem<T>(c[2 * kk + h][1]));
+    af[2 * h + 1] = pack2(to_elem<T>(c[2 * kk + h][2]), to_elem<T>(c[2 * kk + h][3]));
   }
 }
 

@@ -442,4 +442,64 @@ void check_mma_pair() {
 TEST(SimtEmulation, MmaPairIsTwoProductsBitForBitHalf) { check_mma_pair<mha_ext::simt::f16>(); }
 TEST(SimtEmulation, MmaPairIsTwoProductsBitForBitBFloat16) { check_mma_pair<mha_ext::simt::bf16>(); }
 
+// An A operand held in C fragments (the backward's P^T and dS^T, 16 x 64):
+// a_frag_from_c's fragments must multiply as the same tile stored to shared
+// memory (store_c_fragments) and loaded by ldmatrix (warp_mma) does, bit for
+// bit, and as the plain product of C's elements rounded to T16. C = A0 B0 (an
+// mma product, so every lane's fragment holds other values); B2 (64 x 16) is
+// stored by rows, the .trans operand of dV += P^T dO.
+template <typename T16>
+MHA_KERNEL c_operand_and_shared(const T16* in, float* out) {
+  using namespace mha_ext::device;
+  constexpr int kK = 64, kLd = kK + 8, kTile = 64 * kLd;
+  T16* s = dynamic_shared<T16>();  // A0 (16 x 64), B0^T (64 x 64), B2 (64 x 16 by rows, row stride kLd), C
+  const int lane = static_cast<int>(thread_idx().x);
+  for (int t = 0; t < 3; ++t)
+    for (int e = lane; e < 64 * kK; e += kWarpSize) s[t * kTile + (e / kK) * kLd + e % kK] = in[t * 64 * kK + e];
+  sync_threads();
+  float c[8][4] = {}, via_shared[2][4] = {}, via_regs[1][2][4] = {};
+  warp_mma<T16>(c, Tile2<T16>{s, kLd, 1}, Tile2<T16>{s + kTile, 1, kLd}, kK, lane, false,
+                mha_ext::Fp32Math::kCudaCores);
+  T16* c_s = s + 3 * kTile;
+  store_c_fragments<T16>(c, c_s, kLd, lane);
+  sync_warp();
+  const Tile2<T16> b2{s + 2 * kTile, kLd, 1};
+  warp_mma<T16>(via_shared, Tile2<T16>{c_s, kLd, 1}, b2, kK, lane, false, mha_ext::Fp32Math::kCudaCores);
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t af[1][4];
+    a_frag_from_c<T16>(af[0], c, kk);
+    mma16_b_step<T16, 1, 2>(via_regs, af, b2, 16 * kk, lane, false);
+  }
+  for (int nt = 0; nt < 8; ++nt)
+    for (int e = 0; e < 4; ++e) out[MmaLayout::c_row(lane, e) * 64 + 8 * nt + MmaLayout::c_col(lane, e)] = c[nt][e];
+  for (int nt = 0; nt < 2; ++nt)
+    for (int e = 0; e < 4; ++e) {
+      const int at = MmaLayout::c_row(lane, e) * 16 + 8 * nt + MmaLayout::c_col(lane, e);
+      out[1024 + at] = via_shared[nt][e];
+      out[1024 + 256 + at] = via_regs[0][nt][e];
+    }
+}
+
+template <typename T16>
+void check_c_operand() {
+  constexpr int kK = 64;
+  std::vector<T16> in(3 * 64 * kK);
+  for (size_t i = 0; i < in.size(); ++i)
+    in[i] = T16(static_cast<float>(static_cast<int>((i * 53) % 31) - 15) * (i % 5 == 0 ? 8.f : 1.f) / 16.f);
+  std::vector<float> out(1024 + 512, -1.f);
+  launch(dim3(1), dim3(32), 4 * 64 * (kK + 8) * sizeof(T16), [&] { c_operand_and_shared<T16>(in.data(), out.data()); });
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 16; ++n) {
+      const float shared = out[1024 + m * 16 + n], regs = out[1024 + 256 + m * 16 + n];
+      EXPECT_EQ(bits(regs), bits(shared)) << "m " << m << " n " << n;
+      double want = 0.0;  // C rounded to T16, times B2's column n (B2 row k at in[2 * 64 kK + k kK + n])
+      for (int k = 0; k < kK; ++k)
+        want += double(float(T16(out[m * 64 + k]))) * double(float(in[2 * 64 * kK + k * kK + n]));
+      EXPECT_NEAR(regs, want, 1e-3 * (1.0 + std::abs(want))) << "m " << m << " n " << n;
+    }
+}
+
+TEST(SimtEmulation, COperandIsTheSharedTileBitForBitHalf) { check_c_operand<mha_ext::simt::f16>(); }
+TEST(SimtEmulation, COperandIsTheSharedTileBitForBitBFloat16) { check_c_operand<mha_ext::simt::bf16>(); }
+
 }  // namespace
