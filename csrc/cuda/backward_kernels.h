@@ -125,6 +125,11 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = Cfg::kBwdLdP, kStages = Cfg::kBwdStages;
   constexpr int kRowWarps = Cfg::kBwdRowWarps, kSplit = Cfg::kBwdColSplit, kCols = kHeadDim / kSplit;
+  constexpr int kThreads = 32 * Cfg::kBwdWarps;  // the launch's block (launch.h)
+  // a kB-row tile into shared memory (row stride kLd) by cp.async, the copy's shape known at compile time
+  auto copy_tile = [](T* dst, const T* src, int64_t rs, int64_t cs, int64_t rows, int64_t cols) {
+    load_tile_async_fixed<T, kB, kHeadDim, kThreads>(dst, kLd, src, rs, cs, rows, cols);
+  };
   // dQ in chunks of 64 columns (16-bit types: a dS fragment feeds 8 mma) or 32
   constexpr int kCT = kCols / 8, kChunk = sizeof(T) == 2 && kCT >= 8 ? 8 : 4;
   // query columns of S^T / dP^T per warp: kNTw n-tiles (some warps have none when kSplit > kB / 8)
@@ -157,10 +162,10 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   if (j0 >= S) return;  // a block past a shorter sequence's keys (varlen)
 
   // K and V join the first query tile's cp.async group
-  load_tile_async(k_s, kLd, kB, kHeadDim, as<T>(p.k) + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row,
-                  p.k_stride.row, p.k_stride.col, S - j0, E);
-  load_tile_async(v_s, kLd, kB, kHeadDim, as<T>(p.v) + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row,
-                  p.v_stride.row, p.v_stride.col, S - j0, Ev);
+  copy_tile(k_s, as<T>(p.k) + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row, p.k_stride.row,
+            p.k_stride.col, S - j0, E);
+  copy_tile(v_s, as<T>(p.v) + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row, p.v_stride.row,
+            p.v_stride.col, S - j0, Ev);
   const T* q_g = as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h;
   const T* do_g = as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h;
   const A* shift_g = static_cast<const A*>(p.row_shift) + p.lse_index(b, h, 0);
@@ -174,9 +179,9 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   // cp.async group (its row statistics by plain stores).
   auto issue = [&](int64_t i0, int st) {
     T* q_s = q_tile(st);
-    load_tile_async(q_s, kLd, kB, kHeadDim, q_g + i0 * p.q_stride.row, p.q_stride.row, p.q_stride.col, L - i0, E);
-    load_tile_async(q_s + kB * kLd, kLd, kB, kHeadDim, do_g + i0 * p.grad_out_stride.row, p.grad_out_stride.row,
-                    p.grad_out_stride.col, L - i0, Ev);
+    copy_tile(q_s, q_g + i0 * p.q_stride.row, p.q_stride.row, p.q_stride.col, L - i0, E);
+    copy_tile(q_s + kB * kLd, do_g + i0 * p.grad_out_stride.row, p.grad_out_stride.row, p.grad_out_stride.col,
+              L - i0, Ev);
     A* rows = row_stats(st);
     for (int r = tid; r < kB; r += static_cast<int>(block_dim().x)) {
       const bool in = i0 + r < L;
@@ -332,6 +337,11 @@ MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams params) {
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = Cfg::kBwdLdP, kStages = Cfg::kBwdStages;
   constexpr int kRowWarps = Cfg::kBwdRowWarps, kSplit = Cfg::kBwdColSplit, kCols = kHeadDim / kSplit;
+  constexpr int kThreads = 32 * Cfg::kBwdWarps;  // the launch's block (launch.h)
+  // a kB-row tile into shared memory (row stride kLd) by cp.async, the copy's shape known at compile time
+  auto copy_tile = [](T* dst, const T* src, int64_t rs, int64_t cs, int64_t rows, int64_t cols) {
+    load_tile_async_fixed<T, kB, kHeadDim, kThreads>(dst, kLd, src, rs, cs, rows, cols);
+  };
   constexpr int kCT = kCols / 8, kNTw = kB / 8 / kSplit > 0 ? kB / 8 / kSplit : 1;
   // dS kept in registers as the A operand of dQ, as the key-block kernel keeps P^T
   constexpr bool kRegs = sizeof(T) == 2 && kSplit == 1;
@@ -353,18 +363,16 @@ MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams params) {
   if (i0 >= L) return;  // a block past a shorter sequence's rows (varlen)
 
   // Q and dO join the first key tile's cp.async group
-  load_tile_async(q_s, kLd, kB, kHeadDim, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h + i0 * p.q_stride.row,
-                  p.q_stride.row, p.q_stride.col, L - i0, E);
-  load_tile_async(do_s, kLd, kB, kHeadDim,
-                  as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h + i0 * p.grad_out_stride.row,
-                  p.grad_out_stride.row, p.grad_out_stride.col, L - i0, Ev);
+  copy_tile(q_s, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h + i0 * p.q_stride.row, p.q_stride.row,
+            p.q_stride.col, L - i0, E);
+  copy_tile(do_s, as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h + i0 * p.grad_out_stride.row,
+            p.grad_out_stride.row, p.grad_out_stride.col, L - i0, Ev);
   const T* k_g = as<T>(p.k) + b * p.k_stride.b + hk * p.k_stride.h;
   const T* v_g = as<T>(p.v) + b * p.v_stride.b + hk * p.v_stride.h;
   auto issue = [&](int64_t j, int st) {
     T* k_s = k_tile(st);
-    load_tile_async(k_s, kLd, kB, kHeadDim, k_g + j * p.k_stride.row, p.k_stride.row, p.k_stride.col, S - j, E);
-    load_tile_async(k_s + kB * kLd, kLd, kB, kHeadDim, v_g + j * p.v_stride.row, p.v_stride.row, p.v_stride.col,
-                    S - j, Ev);
+    copy_tile(k_s, k_g + j * p.k_stride.row, p.k_stride.row, p.k_stride.col, S - j, E);
+    copy_tile(k_s + kB * kLd, v_g + j * p.v_stride.row, p.v_stride.row, p.v_stride.col, S - j, Ev);
     cp_async_commit();
   };
   A shift[2], norm[2], dd[2];

@@ -418,6 +418,33 @@ MHA_UNROLL
   }
 }
 
+// load_tile_async of a kRows x kCols tile by a block of kThreads threads,
+// all known at compile time (the backward's tiles). A whole 16-bit tile
+// whose chunks the threads cover by rows takes a fixed number of rounds,
+// unrolled: each thread copies the same column chunk of rows kRowStep apart,
+// so a round is one cp.async at constant offsets from two pointers. Other
+// tiles as load_tile_async.
+template <typename T, int kRows, int kCols, int kThreads>
+MHA_DEVICE void load_tile_async_fixed(T* dst, int ld, const T* src, int64_t rs, int64_t cs, int64_t rows,
+                                      int64_t cols) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T)), kChunks = kCols / kVec;
+  constexpr int kRowStep = kThreads / kChunks > 0 ? kThreads / kChunks : 1;
+  if constexpr (sizeof(T) == 2 && kThreads % kChunks == 0 && kRows % kRowStep == 0) {
+    const bool whole = cs == 1 && (rs * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(src) % 16 == 0 && rows >= kRows && cols == kCols;
+    if (whole) {
+      const int tid = static_cast<int>(thread_idx().x), r = tid / kChunks, c = (tid % kChunks) * kVec;
+      T* d = dst + r * ld + c;
+      const T* s = src + r * rs + c;
+      const int64_t step = kRowStep * rs;
+MHA_UNROLL
+      for (int i = 0; i < kRows / kRowStep; ++i) cp_async_16(d + i * kRowStep * ld, s + i * step);
+      return;
+    }
+  }
+  load_tile_async(dst, ld, kRows, kCols, src, rs, cs, rows, cols);
+}
+
 template <typename T>
 MHA_DEVICE const T* as(const void* p) { return static_cast<const T*>(p); }
 
