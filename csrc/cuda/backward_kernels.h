@@ -112,6 +112,14 @@ MHA_KERNEL attention_bwd_dot_kernel(const AttentionBwdParams params) {
   }
 }
 
+// A backward tile (kBwdBlock rows, row stride kLd) into shared memory by
+// cp.async, as one block of the launch's size (launch.h) copies it.
+template <typename T, int kHeadDim>
+MHA_DEVICE void bwd_copy_tile(T* dst, const T* src, int64_t rs, int64_t cs, int64_t rows, int64_t cols) {
+  using Cfg = TileConfig<T, kHeadDim>;
+  load_tile_async_fixed<T, Cfg::kBwdBlock, kHeadDim, 32 * Cfg::kBwdWarps>(dst, Cfg::kLd, src, rs, cs, rows, cols);
+}
+
 // Key-block kernel. Shared: K, V (kB x kLd), P^T and dS^T (kB x kLdP each), then
 // kStages stages of a query tile: Q, dO (kB x kLd) and its rows' shift,
 // log_norm and D (kB each, accumulation type), the next tile's loads (16-byte
@@ -125,18 +133,13 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = Cfg::kBwdLdP, kStages = Cfg::kBwdStages;
   constexpr int kRowWarps = Cfg::kBwdRowWarps, kSplit = Cfg::kBwdColSplit, kCols = kHeadDim / kSplit;
-  constexpr int kThreads = 32 * Cfg::kBwdWarps;  // the launch's block (launch.h)
-  // a kB-row tile into shared memory (row stride kLd) by cp.async, the copy's shape known at compile time
-  auto copy_tile = [](T* dst, const T* src, int64_t rs, int64_t cs, int64_t rows, int64_t cols) {
-    load_tile_async_fixed<T, kB, kHeadDim, kThreads>(dst, kLd, src, rs, cs, rows, cols);
-  };
   // dQ in chunks of 64 columns (16-bit types: a dS fragment feeds 8 mma) or 32
   constexpr int kCT = kCols / 8, kChunk = sizeof(T) == 2 && kCT >= 8 ? 8 : 4;
   // query columns of S^T / dP^T per warp: kNTw n-tiles (some warps have none when kSplit > kB / 8)
   constexpr int kNTw = kB / 8 / kSplit > 0 ? kB / 8 / kSplit : 1;
   // 16-bit types where a warp has its 16 keys alone (every query column of
   // the tile): P^T and dS^T stay in registers as the A operands of dV and dK
-  // (a_frag_from_c), as the forward keeps P; dS^T still goes to shared
+  // (warp_mma_c), as the forward keeps P; dS^T still goes to shared
   // memory when this kernel computes dQ
   constexpr bool kRegs = sizeof(T) == 2 && kSplit == 1;
   static_assert(!kRegs || kNTw * 8 == kB, "P^T in registers needs every query column of the tile");
@@ -162,10 +165,10 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   if (j0 >= S) return;  // a block past a shorter sequence's keys (varlen)
 
   // K and V join the first query tile's cp.async group
-  copy_tile(k_s, as<T>(p.k) + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row, p.k_stride.row,
-            p.k_stride.col, S - j0, E);
-  copy_tile(v_s, as<T>(p.v) + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row, p.v_stride.row,
-            p.v_stride.col, S - j0, Ev);
+  bwd_copy_tile<T, kHeadDim>(k_s, as<T>(p.k) + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row,
+                             p.k_stride.row, p.k_stride.col, S - j0, E);
+  bwd_copy_tile<T, kHeadDim>(v_s, as<T>(p.v) + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row,
+                             p.v_stride.row, p.v_stride.col, S - j0, Ev);
   const T* q_g = as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h;
   const T* do_g = as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h;
   const A* shift_g = static_cast<const A*>(p.row_shift) + p.lse_index(b, h, 0);
@@ -179,9 +182,9 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   // cp.async group (its row statistics by plain stores).
   auto issue = [&](int64_t i0, int st) {
     T* q_s = q_tile(st);
-    copy_tile(q_s, q_g + i0 * p.q_stride.row, p.q_stride.row, p.q_stride.col, L - i0, E);
-    copy_tile(q_s + kB * kLd, do_g + i0 * p.grad_out_stride.row, p.grad_out_stride.row, p.grad_out_stride.col,
-              L - i0, Ev);
+    bwd_copy_tile<T, kHeadDim>(q_s, q_g + i0 * p.q_stride.row, p.q_stride.row, p.q_stride.col, L - i0, E);
+    bwd_copy_tile<T, kHeadDim>(q_s + kB * kLd, do_g + i0 * p.grad_out_stride.row, p.grad_out_stride.row,
+                               p.grad_out_stride.col, L - i0, Ev);
     A* rows = row_stats(st);
     for (int r = tid; r < kB; r += static_cast<int>(block_dim().x)) {
       const bool in = i0 + r < L;
@@ -257,20 +260,14 @@ MHA_UNROLL
     }
     // dV += P^T dO and dK += dS^T Q: in one k loop where a warp's share of
     // the head dim is at most 64 columns (with 128, head dim 256, the second
-    // product's fragments spilled on sm_80); each k step's A fragments from
-    // the registers where kRegs (the same bits and k order as from p_s, ds_s)
+    // product's fragments spilled on sm_80); where kRegs, one product after
+    // the other with A from the registers (warp_mma_c: the same bits and k
+    // order as from p_s, ds_s; in one loop, the head-dim-64 kernel spilled
+    // 12 / 16 bytes on sm_80 / sm_90, 4 / 0 so)
     const Tile2<T> pt{p_s + row0 * kLdP, kLdP, 1}, dst_t{ds_s + row0 * kLdP, kLdP, 1};
     if constexpr (kRegs) {
-      using Frags = float(&)[1][kCT][4];
-MHA_UNROLL
-      for (int kk = 0; kk < kB / 16; ++kk) {
-        uint32_t pa[1][4], da[1][4];
-        a_frag_from_c<T>(pa[0], st, kk);
-        a_frag_from_c<T>(da[0], dst, kk);
-        const bool sc = kScalarOperandsBuilt && scalar;
-        mma16_b_step<T, 1, kCT>(reinterpret_cast<Frags>(dv), pa, Tile2<T>{do_s + c_base, kLd, 1}, 16 * kk, lane, sc);
-        mma16_b_step<T, 1, kCT>(reinterpret_cast<Frags>(dk), da, Tile2<T>{q_s + c_base, kLd, 1}, 16 * kk, lane, sc);
-      }
+      warp_mma_c<T>(dv, st, Tile2<T>{do_s + c_base, kLd, 1}, kB, lane, scalar);
+      warp_mma_c<T>(dk, dst, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane, scalar);
     } else if constexpr (kCT <= 8) {
       warp_mma_pair<T>(dv, pt, Tile2<T>{do_s + c_base, kLd, 1}, dk, dst_t, Tile2<T>{q_s + c_base, kLd, 1}, kB, lane,
                        scalar, p.fp32_math);
@@ -337,11 +334,6 @@ MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams params) {
   using Cfg = TileConfig<T, kHeadDim>;
   constexpr int kB = Cfg::kBwdBlock, kLd = Cfg::kLd, kLdP = Cfg::kBwdLdP, kStages = Cfg::kBwdStages;
   constexpr int kRowWarps = Cfg::kBwdRowWarps, kSplit = Cfg::kBwdColSplit, kCols = kHeadDim / kSplit;
-  constexpr int kThreads = 32 * Cfg::kBwdWarps;  // the launch's block (launch.h)
-  // a kB-row tile into shared memory (row stride kLd) by cp.async, the copy's shape known at compile time
-  auto copy_tile = [](T* dst, const T* src, int64_t rs, int64_t cs, int64_t rows, int64_t cols) {
-    load_tile_async_fixed<T, kB, kHeadDim, kThreads>(dst, kLd, src, rs, cs, rows, cols);
-  };
   constexpr int kCT = kCols / 8, kNTw = kB / 8 / kSplit > 0 ? kB / 8 / kSplit : 1;
   // dS kept in registers as the A operand of dQ, as the key-block kernel keeps P^T
   constexpr bool kRegs = sizeof(T) == 2 && kSplit == 1;
@@ -363,16 +355,17 @@ MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams params) {
   if (i0 >= L) return;  // a block past a shorter sequence's rows (varlen)
 
   // Q and dO join the first key tile's cp.async group
-  copy_tile(q_s, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h + i0 * p.q_stride.row, p.q_stride.row,
-            p.q_stride.col, L - i0, E);
-  copy_tile(do_s, as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h + i0 * p.grad_out_stride.row,
-            p.grad_out_stride.row, p.grad_out_stride.col, L - i0, Ev);
+  bwd_copy_tile<T, kHeadDim>(q_s, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h + i0 * p.q_stride.row,
+                             p.q_stride.row, p.q_stride.col, L - i0, E);
+  bwd_copy_tile<T, kHeadDim>(
+      do_s, as<T>(p.grad_out) + b * p.grad_out_stride.b + h * p.grad_out_stride.h + i0 * p.grad_out_stride.row,
+      p.grad_out_stride.row, p.grad_out_stride.col, L - i0, Ev);
   const T* k_g = as<T>(p.k) + b * p.k_stride.b + hk * p.k_stride.h;
   const T* v_g = as<T>(p.v) + b * p.v_stride.b + hk * p.v_stride.h;
   auto issue = [&](int64_t j, int st) {
     T* k_s = k_tile(st);
-    copy_tile(k_s, k_g + j * p.k_stride.row, p.k_stride.row, p.k_stride.col, S - j, E);
-    copy_tile(k_s + kB * kLd, v_g + j * p.v_stride.row, p.v_stride.row, p.v_stride.col, S - j, Ev);
+    bwd_copy_tile<T, kHeadDim>(k_s, k_g + j * p.k_stride.row, p.k_stride.row, p.k_stride.col, S - j, E);
+    bwd_copy_tile<T, kHeadDim>(k_s + kB * kLd, v_g + j * p.v_stride.row, p.v_stride.row, p.v_stride.col, S - j, Ev);
     cp_async_commit();
   };
   A shift[2], norm[2], dd[2];
@@ -427,13 +420,7 @@ MHA_UNROLL
     }
     // dQ += dS K
     if constexpr (kRegs) {
-MHA_UNROLL
-      for (int kk = 0; kk < kB / 16; ++kk) {
-        uint32_t da[1][4];
-        a_frag_from_c<T>(da[0], dp, kk);
-        mma16_b_step<T, 1, kCT>(reinterpret_cast<float(&)[1][kCT][4]>(dq), da, Tile2<T>{k_s + c_base, kLd, 1},
-                                16 * kk, lane, kScalarOperandsBuilt && scalar);
-      }
+      warp_mma_c<T>(dq, dp, Tile2<T>{k_s + c_base, kLd, 1}, kB, lane, scalar);
     } else {
       if constexpr (kSplit > 1) {
         sync_threads();

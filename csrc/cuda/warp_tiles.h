@@ -253,6 +253,21 @@ MHA_UNROLL
   }
 }
 
+// acc += A B over K (a multiple of 16, 16-bit types), A's 16 x K held in C
+// fragments (c: 8 columns each, rounded to T by a_frag_from_c), B from
+// shared memory; unrolled over k, since c is indexed by the step. The bits
+// of store_c_fragments then warp_mma.
+template <typename T, int NT, int N>
+MHA_DEVICE void warp_mma_c(float (&acc)[NT][4], const float (&c)[N][4], Tile2<T> b, int K, int lane, bool scalar) {
+  scalar = kScalarOperandsBuilt && scalar;
+MHA_UNROLL
+  for (int kk = 0; kk < K / 16; ++kk) {
+    uint32_t af[1][4];
+    a_frag_from_c<T>(af[0], c, kk);
+    mma16_b_step<T, 1, NT>(reinterpret_cast<float(&)[1][NT][4]>(acc), af, b, 16 * kk, lane, scalar);
+  }
+}
+
 // acc += A B over K (a multiple of 16), k step by k step.
 template <typename T, int kRT, int NT>
 MHA_DEVICE void warp_mma16(float (&acc)[kRT][NT][4], Tile2<T> a, Tile2<T> b, int K, int lane, bool scalar) {

@@ -443,7 +443,7 @@ TEST(SimtEmulation, MmaPairIsTwoProductsBitForBitHalf) { check_mma_pair<mha_ext:
 TEST(SimtEmulation, MmaPairIsTwoProductsBitForBitBFloat16) { check_mma_pair<mha_ext::simt::bf16>(); }
 
 // An A operand held in C fragments (the backward's P^T and dS^T, 16 x 64):
-// a_frag_from_c's fragments must multiply as the same tile stored to shared
+// warp_mma_c (a_frag_from_c's fragments) must multiply as the same tile stored to shared
 // memory (store_c_fragments) and loaded by ldmatrix (warp_mma) does, bit for
 // bit, and as the plain product of C's elements rounded to T16. C = A0 B0 (an
 // mma product, so every lane's fragment holds other values); B2 (64 x 16) is
@@ -457,7 +457,7 @@ MHA_KERNEL c_operand_and_shared(const T16* in, float* out) {
   for (int t = 0; t < 3; ++t)
     for (int e = lane; e < 64 * kK; e += kWarpSize) s[t * kTile + (e / kK) * kLd + e % kK] = in[t * 64 * kK + e];
   sync_threads();
-  float c[8][4] = {}, via_shared[2][4] = {}, via_regs[1][2][4] = {};
+  float c[8][4] = {}, via_shared[2][4] = {}, via_regs[2][4] = {};
   warp_mma<T16>(c, Tile2<T16>{s, kLd, 1}, Tile2<T16>{s + kTile, 1, kLd}, kK, lane, false,
                 mha_ext::Fp32Math::kCudaCores);
   T16* c_s = s + 3 * kTile;
@@ -465,18 +465,14 @@ MHA_KERNEL c_operand_and_shared(const T16* in, float* out) {
   sync_warp();
   const Tile2<T16> b2{s + 2 * kTile, kLd, 1};
   warp_mma<T16>(via_shared, Tile2<T16>{c_s, kLd, 1}, b2, kK, lane, false, mha_ext::Fp32Math::kCudaCores);
-  for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t af[1][4];
-    a_frag_from_c<T16>(af[0], c, kk);
-    mma16_b_step<T16, 1, 2>(via_regs, af, b2, 16 * kk, lane, false);
-  }
+  warp_mma_c<T16>(via_regs, c, b2, kK, lane, false);
   for (int nt = 0; nt < 8; ++nt)
     for (int e = 0; e < 4; ++e) out[MmaLayout::c_row(lane, e) * 64 + 8 * nt + MmaLayout::c_col(lane, e)] = c[nt][e];
   for (int nt = 0; nt < 2; ++nt)
     for (int e = 0; e < 4; ++e) {
       const int at = MmaLayout::c_row(lane, e) * 16 + 8 * nt + MmaLayout::c_col(lane, e);
       out[1024 + at] = via_shared[nt][e];
-      out[1024 + 256 + at] = via_regs[0][nt][e];
+      out[1024 + 256 + at] = via_regs[nt][e];
     }
 }
 
