@@ -55,7 +55,13 @@ print(f"mha_ext: building {'CPU + CUDA' if with_cuda else 'CPU only'} ({why})", 
 # may disagree on inline code and layouts (a build against torch 2.11 crashed
 # where a C++ check threw).
 cxx_flags = ["-O3", "-fopenmp", "-fvisibility=hidden", "-Wall", "-std=c++20"]
-link_flags = ["-fopenmp"]
+# The C++ runtime from the shared libstdc++ that torch itself uses, named before
+# the driver's own -lstdc++: where a toolchain or LDFLAGS links it statically
+# (-static-libstdc++), the library's private copy of the stream and locale code
+# does not match the facets of the process's runtime, and integers formatted
+# into an error message stop the message (g++ 12 here) or crash (seen on a GPU
+# machine's image when a C++ input check threw).
+link_flags = ["-fopenmp", "-Wl,--push-state,-Bdynamic", "-lstdc++", "-Wl,--pop-state"]
 if with_cuda:
     # SASS for sm_80 and sm_90, and sm_90 PTX that newer GPUs can compile
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")

@@ -127,3 +127,25 @@ def test_module_errors():
         m(torch.randn(4, 2, 6), x, x)
     with pytest.raises(RuntimeError, match=re.escape("only bool and floating types of attn_mask are supported, got torch.int64")):
         m(x, x, x, attn_mask=torch.zeros(4, 4, dtype=torch.int64))
+
+
+def test_integers_in_a_cpp_message_and_the_shared_cpp_runtime():
+    # The C++ checks format integers with the stream code of libstdc++. A library
+    # linked with a private, static copy of it (-static-libstdc++ from a toolchain
+    # or LDFLAGS) cut such a message at its first integer here and crashed on a GPU
+    # machine's image; setup.py names the shared runtime first. The message is
+    # checked whole, and the library must take the stream code from libstdc++.so.
+    q = torch.randn(1, 2, 10, 8)
+    with pytest.raises(RuntimeError) as e:
+        torch.ops.mha_ext.attention(q, q, q, None, 0.2, False, None, False, torch.tensor([1, 2, 9, 0, 0]))
+    assert str(e.value).startswith(
+        "rng_state's dropout frame (rows, row0, col0) must have row0 >= 0, col0 >= 0 and rows >= row0 + 10 "
+        "(the query length), got (9, 0, 0)")
+    import shutil
+    import subprocess
+    nm = shutil.which("nm")
+    assert nm, "binutils' nm is needed to read the library's symbols"
+    symbols = subprocess.run([nm, "-D", mha_ext.library_path], capture_output=True, text=True, check=True).stdout
+    insert_long = [line.split() for line in symbols.splitlines() if line.endswith(" _ZNSo9_M_insertIlEERSoT_")
+                   or "_ZNSo9_M_insertIlEERSoT_@" in line]
+    assert insert_long and all(fields[0] == "U" for fields in insert_long), insert_long
