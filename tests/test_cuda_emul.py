@@ -188,6 +188,30 @@ def test_emul_output_columns_past_and_odd(backend, dtype, ev):
     assert_all_like_cpu(out, cpu_out, references(q, k, v), dtype)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "column_stride_2", "misaligned", "head_dim_40"])
+def test_emul_query_tile_layouts(backend, layout):
+    # Q comes in by cp.async: whole 16-byte chunks, the zero padding of the
+    # rows past L (L = 150: one whole 128-row block and a partial one) and of
+    # the head dim past E, and element by element where the rows are not
+    # 16-byte chunks (a column stride, a storage offset of one element)
+    e = 40 if layout == "head_dim_40" else 64
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(1, 2, 150, 2 * e + 1, generator=g).to(torch.float16)
+    if layout == "column_stride_2":
+        q = base[..., : 2 * e : 2]
+    elif layout == "misaligned":
+        q = base.flatten()[1: 1 + 2 * 150 * e].view(1, 2, 150, e)
+    else:
+        q = base[..., :e].contiguous()
+    assert (layout == "misaligned") == (q.storage_offset() % 8 != 0)
+    k = torch.randn(1, 2, 70, e, generator=g).to(torch.float16)
+    v = torch.randn(1, 2, 70, e, generator=g).to(torch.float16)
+    out, lse, _ = backend.attention(q, k, v, None, 0.0, False, None, False)
+    cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, False)
+    assert_all_like_cpu(out, cpu_out, references(q, k, v), torch.float16)
+    torch.testing.assert_close(lse, cpu_lse, rtol=1e-5, atol=1e-5)
+
+
 def _backward(ops, q, k, v, out, lse, go, mask=None, dropout_p=0.0, is_causal=False, scale=None, gqa=False,
               rng=NO_RNG, mask_grad=False):
     return ops.attention_backward(go, q, k, v, out, lse, mask, dropout_p, is_causal, scale, gqa, rng, mask_grad)
