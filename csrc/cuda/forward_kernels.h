@@ -77,8 +77,11 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   // wait of stream_tiles takes both. (By plain loads, each waited on before
   // its store to shared, 128 a thread at head dim 128, Q cost a latency per
   // element: at L = 512 the H200 profile's warps waited on loads half the time.)
-  load_tile_async(q_s, kLd, kM, kHeadDim, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h + i0 * p.q_stride.row,
-                  p.q_stride.row, p.q_stride.col, L - i0, p.head_dim);
+  auto copy_tile = [](T* dst, int k_rows, const T* src, int64_t rs, int64_t cs, int64_t rows, int64_t cols) {
+    load_tile_async<T, kPlain>(dst, kLd, k_rows, kHeadDim, src, rs, cs, rows, cols);
+  };
+  copy_tile(q_s, kM, as<T>(p.q) + b * p.q_stride.b + h * p.q_stride.h + i0 * p.q_stride.row, p.q_stride.row,
+            p.q_stride.col, L - i0, p.head_dim);
   cp_async_commit();
 
   A o[kRT][kOT][4], m_run[kRT][2], l_run[kRT][2];
@@ -106,9 +109,8 @@ MHA_UNROLL
     T* k_dst = kv_s + 2 * st * kN * kLd;
     const int64_t k_off = kPlain ? j * p.k_stride.row : p.kv_offset(p.k_stride, b, hk, j);
     const int64_t v_off = kPlain ? j * p.v_stride.row : p.kv_offset(p.v_stride, b, hk, j);
-    load_tile_async(k_dst, kLd, kN, kHeadDim, k_head + k_off, p.k_stride.row, p.k_stride.col, S - j, p.head_dim);
-    load_tile_async(k_dst + kN * kLd, kLd, kN, kHeadDim, v_head + v_off, p.v_stride.row, p.v_stride.col, S - j,
-                    p.head_dim_v);
+    copy_tile(k_dst, kN, k_head + k_off, p.k_stride.row, p.k_stride.col, S - j, p.head_dim);
+    copy_tile(k_dst + kN * kLd, kN, v_head + v_off, p.v_stride.row, p.v_stride.col, S - j, p.head_dim_v);
     cp_async_commit();
   };
   stream_tiles<kStages>(j_first, kv_end, kN, issue, [&](int64_t j0, int stage) {

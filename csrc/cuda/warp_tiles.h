@@ -398,8 +398,9 @@ MHA_DEVICE void load_tile(T* dst, int ld, int k_rows, int k_cols, const T* src, 
 // stores for the rest (strided or misaligned inputs, the zero padding, a
 // partial last chunk). The caller commits the group and waits for it before
 // a barrier: cp.async data lands at the wait, the plain stores are visible
-// after the barrier.
-template <typename T>
+// after the barrier. kStepped: the whole-tile loop below with pointers
+// stepped instead of an index divided (the plain forward kernel's copies).
+template <typename T, bool kStepped = false>
 MHA_DEVICE void load_tile_async(T* dst, int ld, int k_rows, int k_cols, const T* src, int64_t rs, int64_t cs,
                                 int64_t rows, int64_t cols) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
@@ -415,9 +416,23 @@ MHA_DEVICE void load_tile_async(T* dst, int ld, int k_rows, int k_cols, const T*
     // instructions a chunk on sm_90, 3 of them the never-executed loads nvcc
     // puts before each cp.async; the general loop below takes 39)
     const unsigned uchunks = static_cast<unsigned>(chunks);
-    for (unsigned idx = thread_idx().x; idx < static_cast<unsigned>(n); idx += static_cast<unsigned>(step)) {
-      const unsigned r = idx / uchunks, c = (idx % uchunks) * kVec;
-      cp_async_16(dst + r * static_cast<unsigned>(ld) + c, src + static_cast<int64_t>(r) * rs + c);
+    if constexpr (kStepped) {
+      // each thread copies one column chunk of rows step / chunks apart, two
+      // pointers stepped a pass: 12 SASS instructions a chunk (3 of them those
+      // loads). In the general forward kernel it cost registers (head dim 64:
+      // 168 -> 173 on sm_90, 12 -> 8 warps per SM), so only the plain one asks.
+      const unsigned tid = thread_idx().x, rstep = static_cast<unsigned>(step) / uchunks;
+      unsigned r = tid / uchunks;
+      T* d = dst + r * static_cast<unsigned>(ld) + (tid % uchunks) * kVec;
+      const T* s = src + static_cast<int64_t>(r) * rs + (tid % uchunks) * kVec;
+      const unsigned d_step = rstep * static_cast<unsigned>(ld);
+      const int64_t s_step = static_cast<int64_t>(rstep) * rs;
+      for (; r < static_cast<unsigned>(k_rows); r += rstep, d += d_step, s += s_step) cp_async_16(d, s);
+    } else {
+      for (unsigned idx = thread_idx().x; idx < static_cast<unsigned>(n); idx += static_cast<unsigned>(step)) {
+        const unsigned r = idx / uchunks, c = (idx % uchunks) * kVec;
+        cp_async_16(dst + r * static_cast<unsigned>(ld) + c, src + static_cast<int64_t>(r) * rs + c);
+      }
     }
     return;
   }
