@@ -8,7 +8,7 @@
 # (and of the forward at L = 512 beside flash's, with a timing of it),
 # then the whole suite. Each stage has its own
 # time limit so that a slow one cannot eat the next; logs go to $OUT (or
-# ./gpu_out): everything printed in session.log, and at most 7 other files (the
+# ./gpu_out): everything printed in session.log, and 7 other files at most (the
 # device tool brings back a limited number; a call's reply shows only the tail
 # of what it prints). Test-only wheels the image lacks
 # (expecttest, for opcheck) travel in .whl (see the device notes).
@@ -76,6 +76,18 @@ q, k, v = (torch.randn(4, 16, 4096, 128, device='cuda', dtype=torch.float16, req
 mha_ext.scaled_dot_product_attention(q, k, v).sum().backward()
 torch.cuda.synchronize()" > "$out/ncu.txt" 2>&1
 rc=$?; tail -5 "$out/ncu.txt"; stamp "ncu rc=$rc"
+# The same profile saved, then its per-SASS-instruction table (executed instructions, stalls,
+# excessive sectors of each line: which lines the 13 instructions per mma of the backward and the
+# forward's uncoalesced global sectors are), compressed: the last of the 8 files that come back
+stamp "ncu: the per-instruction table of the same kernels"
+timeout 120 ncu --clock-control none --section SourceCounters --section InstructionStats -k regex:attention_ -c 3 \
+  -f -o /tmp/prof python3 -c "
+import torch, mha_ext
+q, k, v = (torch.randn(4, 16, 4096, 128, device='cuda', dtype=torch.float16, requires_grad=True) for _ in range(3))
+mha_ext.scaled_dot_product_attention(q, k, v).sum().backward()
+torch.cuda.synchronize()" > /tmp/prof.log 2>&1 &&
+  timeout 60 ncu -i /tmp/prof.ncu-rep --page source --csv --print-source sass 2>&1 | gzip > "$out/ncu_source.csv.gz"
+stamp "ncu source table rc=$? ($(stat -c %s "$out/ncu_source.csv.gz" 2>/dev/null) bytes)"; tail -3 /tmp/prof.log
 # Short sequences are where the forward is furthest from flash (H100: 0.30 of it at L = 512 and
 # 0.56-0.59 at 8192 for the same FLOPs): the same call timed with and without inputs that need
 # grad (the bench's inputs do), then both kernels under ncu
