@@ -50,7 +50,7 @@ ids = [l for l in open("/tmp/cuda_ids.txt").read().splitlines() if l]
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-n", "8", "-rfE", *ids]))
 PY
 stamp "CUDA tests rc=$?"
-stamp "C++ input checks that throw on the CPU path (crashed when g++ and nvcc compiled torch's headers under two standards)"
+stamp "C++ input checks that throw on the CPU path (crashed on these images while the library held a static libstdc++)"
 timeout 60 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests/test_bad_inputs.py tests/test_errors.py 2>&1 | tail -15
 stamp "input checks rc=${PIPESTATUS[0]}"
 stamp "the C++ runtime: the library must take libstdc++'s stream code from libstdc++.so (a static copy cut or crashed messages)"
@@ -68,26 +68,19 @@ stamp "bench/bench_cuda.py --quick ${MHA_BENCH_ARGS:-}"
 timeout "$t_bench" python3 bench/bench_cuda.py --quick ${MHA_BENCH_ARGS:-} 2>&1 | grep -v Warning | tee "$out/bench_cuda.log"
 stamp "bench done"
 stamp "ncu: one float16 forward and backward at head dim 128 (where the time goes inside the kernels)"
-# SourceCounters: executed instructions and stalls per SASS line (where the backward's instructions go)
+# One profile, saved: its sections as text, then its per-SASS-instruction table (executed
+# instructions, stalls, excessive sectors of each line: which lines the backward's 13 instructions
+# per mma and the forward's uncoalesced global sectors are), compressed, the last of the 8 files
 timeout 120 ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
-  --section InstructionStats --section SourceCounters -k regex:attention_ -c 3 python3 -c "
+  --section InstructionStats --section SourceCounters -k regex:attention_ -c 3 -f -o /tmp/prof python3 -c "
 import torch, mha_ext
 q, k, v = (torch.randn(4, 16, 4096, 128, device='cuda', dtype=torch.float16, requires_grad=True) for _ in range(3))
 mha_ext.scaled_dot_product_attention(q, k, v).sum().backward()
-torch.cuda.synchronize()" > "$out/ncu.txt" 2>&1
-rc=$?; tail -5 "$out/ncu.txt"; stamp "ncu rc=$rc"
-# The same profile saved, then its per-SASS-instruction table (executed instructions, stalls,
-# excessive sectors of each line: which lines the 13 instructions per mma of the backward and the
-# forward's uncoalesced global sectors are), compressed: the last of the 8 files that come back
-stamp "ncu: the per-instruction table of the same kernels"
-timeout 120 ncu --clock-control none --section SourceCounters --section InstructionStats -k regex:attention_ -c 3 \
-  -f -o /tmp/prof python3 -c "
-import torch, mha_ext
-q, k, v = (torch.randn(4, 16, 4096, 128, device='cuda', dtype=torch.float16, requires_grad=True) for _ in range(3))
-mha_ext.scaled_dot_product_attention(q, k, v).sum().backward()
-torch.cuda.synchronize()" > /tmp/prof.log 2>&1 &&
-  timeout 60 ncu -i /tmp/prof.ncu-rep --page source --csv --print-source sass 2>&1 | gzip > "$out/ncu_source.csv.gz"
-stamp "ncu source table rc=$? ($(stat -c %s "$out/ncu_source.csv.gz" 2>/dev/null) bytes)"; tail -3 /tmp/prof.log
+torch.cuda.synchronize()" > /tmp/prof.log 2>&1
+rc=$?; tail -3 /tmp/prof.log
+timeout 60 ncu -i /tmp/prof.ncu-rep --page details > "$out/ncu.txt" 2>&1; tail -5 "$out/ncu.txt"; stamp "ncu rc=$rc"
+timeout 60 ncu -i /tmp/prof.ncu-rep --page source --csv --print-source sass 2>&1 | gzip > "$out/ncu_source.csv.gz"
+stamp "ncu source table ($(stat -c %s "$out/ncu_source.csv.gz" 2>/dev/null) bytes compressed)"
 # Short sequences are where the forward is furthest from flash (H100: 0.30 of it at L = 512 and
 # 0.56-0.59 at 8192 for the same FLOPs): the same call timed with and without inputs that need
 # grad (the bench's inputs do), then both kernels under ncu
@@ -109,7 +102,7 @@ def ms(f, *a):
 for name, f, a in [('mha_ext', mha_ext.scaled_dot_product_attention, (q, k, v)),
                    ('mha_ext, inputs need grad', mha_ext.scaled_dot_product_attention, (qg, kg, vg)),
                    ('flash', flash, (q, k, v)), ('flash, inputs need grad', flash, (qg, kg, vg))]:
-    print(f'{name}: {ms(f, *a):.3f} ms')" 2>&1 
+    print(f'{name}: {ms(f, *a):.3f} ms')" 2>&1
 timeout 90 ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
   --section LaunchStats --section SchedulerStats -k regex:"attention_fwd|flash_fwd" -c 2 python3 -c "
 import torch, mha_ext, torch.nn.functional as F
