@@ -827,8 +827,10 @@ def test_emul_key_splits_match_the_reference(backend, dtype, shape, monkeypatch)
 def test_emul_key_splits_auto_fills_the_gpu(backend, monkeypatch):
     # "auto" (the default): a decode step of 2 x 4 heads makes 8 blocks for
     # 132 multiprocessors (the emulation's H100): the keys split into runs of
-    # at least 4 tiles, toward 2 x 132 blocks; keys of fewer than 8 tiles are
-    # not split.
+    # at least 4 tiles, toward one wave of blocks (as many as the
+    # multiprocessors hold at once by shared memory, 228 KiB each: 4 blocks
+    # of 64 rows at head dim 64, 46 KiB each, 2 at 128, 86 KiB) and never
+    # more; keys of fewer than 8 tiles are not split.
     if isinstance(backend, OnCuda):
         pytest.skip("reads the emulation's launch log")
     for name in ("MHA_EXT_CUDA_KV_SPLITS", "MHA_EXT_CUDA_FWD_ROWS", "MHA_EXT_CUDA_FWD_WARP_ROWS", "MHA_EXT_CUDA_OPERANDS"):
@@ -837,9 +839,20 @@ def test_emul_key_splits_auto_fills_the_gpu(backend, monkeypatch):
     backend.launched_grids()
     out = backend.attention(q, k, v, None, 0.0, False, None, False)[0]
     grids = backend.launched_grids()
-    assert grids[:3] == [min(-(-264 // 8), 2048 // 64 // 4), 3, 3] and len(grids) == 6, grids
+    assert grids[:3] == [min(4 * 132 // 8, 2048 // 64 // 4), 3, 3] and len(grids) == 6, grids
     assert_like_cpu(out, torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, False)[0],
                     R.attention(q, k, v), R.attention(q, k, v, compute_dtype=torch.float16), torch.float16)
+    # where the tiles do not bound it: 100 blocks at head dim 64 take 5 splits
+    # (500 blocks of the 528 that fit), 20 at head dim 128 take 13 (260 of 264:
+    # 14 would start 16 of 280 blocks in a second wave)
+    for shape, splits in (((1, 100, 100, 1, 1536, 64, 64), 5), ((1, 20, 20, 1, 3584, 128, 128), 13)):
+        q, k, v = make(shape, torch.float16)
+        backend.launched_grids()
+        out = backend.attention(q, k, v, None, 0.0, False, None, False)[0]
+        grids = backend.launched_grids()
+        assert grids[0] == splits and len(grids) == 6, (shape, grids)  # the query block x splits on x
+        assert_like_cpu(out, torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, False)[0],
+                        R.attention(q, k, v), R.attention(q, k, v, compute_dtype=torch.float16), torch.float16)
     q, k, v = make((1, 1, 1, 300, 300, 64, 64), torch.float16)
     backend.attention(q, k, v, None, 0.0, False, None, False)
     assert backend.launched_grids() == [3, 1, 1]  # the plain kernel's 128-row blocks, 5 key tiles, one launch

@@ -200,9 +200,12 @@ int fwd_slices(int64_t len_q, bool wide_fits, int row_tiles) {
 // The forward's key splits (AttentionFwdParams::kv_splits), read at each
 // launch from MHA_EXT_CUDA_KV_SPLITS: unset or "auto": where the call's
 // blocks (query blocks x batch x heads) number fewer than twice the GPU's
-// multiprocessors (a decode step has one query block a head), enough splits
-// to make about that many, each of at least kMinSplitTiles key tiles, at
-// most kMaxSplits; "1": never; a number N: N splits (at most one per key
+// multiprocessors (a decode step has one query block a head), as many splits
+// as one wave of blocks holds (fwd_resident_blocks a multiprocessor; never
+// more blocks than that, which would run a second wave for a few of them:
+// the H200's decode table of 2026-11-27 had 320 blocks where 264 fit, batch
+// 8 at head dim 128), each of at least kMinSplitTiles key tiles, at most
+// kMaxSplits; "1": never; a number N: N splits (at most one per key
 // tile) where "auto" would consider splitting (fewer blocks than twice the
 // multiprocessors). Never for varlen calls (their query rows are packed). The count depends on the shape, the GPU and the setting
 // alone, so a CUDA graph replays the same work; the blocks are counted as
@@ -225,16 +228,31 @@ inline int64_t kv_splits_requested() {  // 0: auto
   return n;
 }
 
+// The forward's blocks of kFwdWarps slices a multiprocessor holds at once,
+// counted by their shared memory (and the 1 KiB the hardware reserves a
+// block), at most 4 (what the plain kernel's registers allow: 64 threads of
+// 255): on an H100 / H200, 16-bit types at head dim 64 4, at 128 and 256 2.
+// (The general kernel's 64-row blocks have 128 threads: at head dim 64 its
+// registers hold 3 a multiprocessor; the count is the same for both kernels
+// so that their splits, and so their bits, are the same.)
+template <typename T, int kHeadDim>
+int64_t fwd_resident_blocks() {
+  using C = TileConfig<T, kHeadDim>;
+  const int64_t per_block = static_cast<int64_t>(C::fwd_shared_bytes(C::kFwdWarps)) + 1024;
+  return std::clamp<int64_t>(shared_per_multiprocessor() / per_block, 1, 4);
+}
+
 template <typename T, int kHeadDim>
 int64_t fwd_kv_splits(const AttentionFwdParams& p) {
   if (p.cu_seqlens_q != nullptr || p.len_q == 0 || p.len_kv == 0) return 1;
   const int64_t asked = kv_splits_requested();
   const int64_t tiles = (p.len_kv + TileConfig<T, kHeadDim>::kFwdBlockN - 1) / TileConfig<T, kHeadDim>::kFwdBlockN;
   const int64_t blocks = row_blocks(p.len_q, 16 * TileConfig<T, kHeadDim>::kFwdWarps) * p.batch * p.heads_q;
-  const int64_t target = 2 * static_cast<int64_t>(multiprocessor_count());
-  if (blocks >= target) return 1;  // the GPU is full (and a long query's workspace would be large)
+  const int64_t sms = multiprocessor_count();
+  if (blocks >= 2 * sms) return 1;  // the GPU is full (and a long query's workspace would be large)
   if (asked > 0) return std::min(asked, tiles);
-  return std::clamp<int64_t>(std::min((target + blocks - 1) / blocks, tiles / kMinSplitTiles), 1, kMaxSplits);
+  const int64_t wave = fwd_resident_blocks<T, kHeadDim>() * sms;
+  return std::clamp<int64_t>(std::min(wave / blocks, tiles / kMinSplitTiles), 1, kMaxSplits);
 }
 
 // The forward, and with key splits the combine kernel after it. workspace(n)

@@ -125,6 +125,14 @@ inline int max_shared_per_block() {
   return bytes;
 }
 
+inline int shared_per_multiprocessor() {
+  int device = 0, bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess)
+    return 64 * 1024;  // the launch reports the error
+  return bytes;
+}
+
 inline int multiprocessor_count() {
   int device = 0, count = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||

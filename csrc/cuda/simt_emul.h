@@ -332,6 +332,7 @@ void cp_async_wait() {
 using Stream = void*;
 
 inline int max_shared_per_block() { return 227 * 1024; }
+inline int shared_per_multiprocessor() { return 228 * 1024; }
 inline int multiprocessor_count() { return 132; }
 
 // The grids launched so far, (x, y, z) each: what the tests read to see
