@@ -20,7 +20,8 @@ synchronised): what the first session with a GPU runs.
    cuda-cores) beside torch's float32 (memory-efficient backend).
 3. Decoding (one query row against 2k-32k keys, B = 1 and 8, 32 heads on 8
    and 12 on 12): MHA_EXT_CUDA_KV_SPLITS auto (keys split across blocks,
-   merged by logsumexp) and 1 (one block a head), torch's flash and
+   merged by logsumexp) and 1 (one block a head), MHA_EXT_CUDA_DECODE=off
+   (the plain kernel instead of the decode kernel), torch's flash and
    memory-efficient backends, and K/V bytes read per second.
 
 Attention FLOPs = 4 B H L S E (forward), halved for causal; backward counted
@@ -210,6 +211,8 @@ def decode(device, dtypes, lengths, reps, times):
                     ours = lambda *a, **kw: mha_ext.scaled_dot_product_attention(*a, **kw, enable_gqa=gqa)  # noqa: E731
                     fns = [step(ours, q, k, v, None, False, False, None, {"MHA_EXT_CUDA_KV_SPLITS": val})
                            for val in ("auto", "1")]
+                    # the plain kernel instead of the decode kernel (one warp doing a block's products)
+                    fns.append(step(ours, q, k, v, None, False, False, None, {"MHA_EXT_CUDA_DECODE": "off"}))
                     for name in ("flash", "efficient"):
                         fns.append(step(lambda *a, **kw: F.scaled_dot_product_attention(*a, **kw, enable_gqa=gqa),
                                         q, k, v, None, False, False,
@@ -217,11 +220,12 @@ def decode(device, dtypes, lengths, reps, times):
                     t = times_or_nan(times, fns, reps)
                     kv = 2 * k.numel() * k.element_size()
                     row = [str(dt).replace("torch.", ""), B, f"{hq}, {hkv}, {E}", S] + [f"{x * 1e3:.3f}" for x in t]
-                    row += [f"{kv / t[0] / 1e9:.0f}", f"{t[2] / t[0]:.2f}", f"{t[1] / t[0]:.2f}"]
+                    row += [f"{kv / t[0] / 1e9:.0f}", f"{t[3] / t[0]:.2f}", f"{t[1] / t[0]:.2f}", f"{t[2] / t[0]:.2f}"]
                     rows.append(row)
                     print(" | ".join(map(str, row)), flush=True)
-    head = ["dtype", "B", "Hq, Hkv, D", "S", "ms mha_ext (splits auto)", "ms mha_ext (splits 1)", "ms flash",
-            "ms efficient", "mha_ext K/V GB/s", "flash / mha_ext", "splits 1 / auto"]
+    head = ["dtype", "B", "Hq, Hkv, D", "S", "ms mha_ext (splits auto)", "ms mha_ext (splits 1)",
+            "ms mha_ext (decode kernel off)", "ms flash", "ms efficient", "mha_ext K/V GB/s", "flash / mha_ext",
+            "splits 1 / auto", "decode off / auto"]
     return f"Copy bandwidth (read + write of {n >> 20} MiB): {copy_gbs:.0f} GB/s.\n\n" + table(head, rows)
 
 

@@ -65,9 +65,11 @@ def kernels(ptx):
 
 
 def describe(mangled):
-    """('fwd' | 'fwd-plain' | 'bwd' | 'dq', dtype, head dim) of a mangled
-    kernel name (fwd-plain: the forward's plain kernel, 32 rows a warp)."""
+    """('fwd' | 'fwd-plain' | 'decode' | 'bwd' | 'dq', dtype, head dim) of a
+    mangled kernel name (fwd-plain: the forward's plain kernel, 32 rows a
+    warp; decode: the forward of at most 16 rows, warps sharing key tiles)."""
     kind = ("dq" if "bwd_dq_kernel" in mangled else "bwd" if "bwd_kernel" in mangled
+            else "decode" if "decode_kernel" in mangled
             else "fwd-plain" if re.search(r"Li\d+ELb1E", mangled) else "fwd")
     dtype = ("bf16" if "nv_bfloat16" in mangled else "f16" if "__half" in mangled
              else "float" if "IfLi" in mangled else "double")
@@ -156,7 +158,9 @@ def shared_and_threads(tmp):
                 '  if (C::kFwdRowTiles > 1) {\n'
                 '    printf("fwd-plain %s %d %d %d\\n", n, D, 32 * C::kFwdWarps / C::kFwdRowTiles, C::kFwdSharedBytes);\n'
                 '    printf("fwd-plain128 %s %d %d %d\\n", n, D, 32 * C::kFwdWideWarps / C::kFwdRowTiles,\n'
-                '           C::fwd_shared_bytes(C::kFwdWideWarps));\n  }\n'
+                '           C::fwd_shared_bytes(C::kFwdWideWarps));\n'
+                '    printf("decode %s %d %d %d\\n", n, D, 32 * C::kFwdBlockN / 16,\n'
+                '           C::kElem * (16 + 2 * C::kFwdKVStages * C::kFwdBlockN) * C::kLd);\n  }\n'
                 '  printf("bwd %s %d %d %d\\n", n, D, 32 * C::kBwdWarps, C::kBwdSharedBytes);\n'
                 '  printf("dq %s %d %d %d\\n", n, D, 32 * C::kBwdWarps, C::kBwdDqSharedBytes);\n}\nint main() {\n')
         for t, n in (("f16", "f16"), ("bf16", "bf16"), ("float", "float"), ("double", "double")):

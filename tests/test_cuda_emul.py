@@ -737,14 +737,16 @@ def test_emul_forward_rows_64_and_128_are_bit_identical(backend, dtype, shape, m
 def test_emul_forward_warp_rows_with_key_splits_are_bit_identical(backend, monkeypatch):
     # Key splits (flash-decoding) counted in 64-row blocks whatever the
     # launch's rows per block: the plain kernel's 128-row blocks (2 here)
-    # and the general kernel's 64-row ones (3) split the keys alike (69 key
-    # tiles in 11 runs of at most 7), so a non-causal row sums the same runs in the same
-    # order, and the combine gives the same bits (counted in the launch's
-    # blocks, the plain kernel would make 17 runs).
+    # and the general kernel's 64-row ones (3) split the keys alike (93 key
+    # tiles in 22 runs of at most 5: 528 blocks fit, 4 of 46 KiB a
+    # multiprocessor, 528 // 24 = 22), so a non-causal row sums the same runs
+    # in the same order, and the combine gives the same bits (counted in the
+    # launch's blocks, the plain kernel would make 23 runs: 528 // 16 = 33,
+    # at most 93 // 4).
     for name in ("MHA_EXT_CUDA_KV_SPLITS", "MHA_EXT_CUDA_FWD_ROWS", "MHA_EXT_CUDA_OPERANDS"):
         monkeypatch.delenv(name, raising=False)
     torch.manual_seed(11)
-    q, k, v = make((1, 8, 2, 130, 4400, 64, 64), torch.bfloat16)
+    q, k, v = make((1, 8, 2, 130, 5900, 64, 64), torch.bfloat16)
     args = (q, k, v, None, 0.0, False, None, True)
     results = {}
     for warp_rows, q_blocks in (("16", 3), ("32", 2)):
@@ -755,7 +757,7 @@ def test_emul_forward_warp_rows_with_key_splits_are_bit_identical(backend, monke
         backend.launched_grids()
         results[warp_rows] = backend.attention(*args)[:2]
         grids = backend.launched_grids()
-        assert grids[0] == q_blocks * 11 and len(grids) == 6, (warp_rows, grids)  # then the combine
+        assert grids[0] == q_blocks * 22 and len(grids) == 6, (warp_rows, grids)  # then the combine
     for a, b in zip(results["16"], results["32"]):
         assert torch.equal(a, b)
     cpu_out = torch.ops.mha_ext.attention(*args)[0]
@@ -842,15 +844,19 @@ def test_emul_key_splits_auto_fills_the_gpu(backend, monkeypatch):
     assert grids[:3] == [min(4 * 132 // 8, 2048 // 64 // 4), 3, 3] and len(grids) == 6, grids
     assert_like_cpu(out, torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, False)[0],
                     R.attention(q, k, v), R.attention(q, k, v, compute_dtype=torch.float16), torch.float16)
-    # where the tiles do not bound it: 100 blocks at head dim 64 take 5 splits
-    # (500 blocks of the 528 that fit), 20 at head dim 128 take 13 (260 of 264:
-    # 14 would start 16 of 280 blocks in a second wave)
-    for shape, splits in (((1, 100, 100, 1, 1536, 64, 64), 5), ((1, 20, 20, 1, 3584, 128, 128), 13)):
+    # where the tiles do not bound it: 100 one-row blocks at head dim 64 take
+    # 5 splits (500 blocks of the 528 that fit); 20 blocks of 17 rows (the
+    # plain kernel's) at head dim 128 13 (260 of 264: 14 would start 16 of 280
+    # blocks in a second wave); 40 one-row blocks (the decode kernel's, 74 KiB:
+    # 3 a multiprocessor) at head dim 128 9 (360 of 396)
+    for shape, splits, threads in (((1, 100, 100, 1, 1536, 64, 64), 5, 128), ((1, 20, 20, 17, 3584, 128, 128), 13, 64),
+                                   ((1, 40, 40, 1, 2304, 128, 128), 9, 128)):
         q, k, v = make(shape, torch.float16)
-        backend.launched_grids()
+        backend.launched_grids(), backend.launched_threads()
         out = backend.attention(q, k, v, None, 0.0, False, None, False)[0]
-        grids = backend.launched_grids()
+        grids, launched = backend.launched_grids(), backend.launched_threads()
         assert grids[0] == splits and len(grids) == 6, (shape, grids)  # the query block x splits on x
+        assert launched[0] == threads, (shape, launched)
         assert_like_cpu(out, torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, False)[0],
                         R.attention(q, k, v), R.attention(q, k, v, compute_dtype=torch.float16), torch.float16)
     q, k, v = make((1, 1, 1, 300, 300, 64, 64), torch.float16)
@@ -919,6 +925,90 @@ def test_emul_decode_packs_a_gqa_group_into_one_block(backend, dtype, monkeypatc
                                               case.get("is_causal", False), None, True, rng, win[0], win[1], True,
                                               case.get("softcap", 0.0), case.get("alibi_slopes"))[0]
         assert_all_like_cpu(out, cpu_out, references(q, k, v, **kw), dtype)
+
+
+# (N, Hq, Hkv, L, S, E, Ev): at most 16 query rows a block, the decode kernel's calls
+DECODE_SHAPES = [(2, 4, 4, 1, 300, 64, 64),  # one row a head, a partial last key tile
+                 (1, 16, 1, 1, 257, 128, 128),  # a GQA group of 16 packed into one block
+                 (2, 6, 2, 5, 190, 40, 72),  # 5 rows (a chunked KV-cache step), E != Ev, GQA
+                 (1, 2, 2, 16, 129, 128, 96)]  # 16 rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", DECODE_SHAPES)
+def test_emul_decode_kernel_warps_share_the_key_tiles(backend, dtype, shape, monkeypatch):
+    # At most 16 query rows: the decode kernel, whose 4 warps take 16 keys of
+    # each tile each and merge their (max, sum, O) in shared memory. Against
+    # the float64 reference and the CPU's logsumexp: causal aligned
+    # bottom-right (each of several rows ends at another key, so the band cuts
+    # a warp's keys differently per row) and a window; one key split and
+    # three; MHA_EXT_CUDA_DECODE=off runs the plain kernel (64 threads a block)
+    # to the same bounds.
+    for name in ("MHA_EXT_CUDA_KV_SPLITS", "MHA_EXT_CUDA_FWD_ROWS", "MHA_EXT_CUDA_FWD_WARP_ROWS",
+                 "MHA_EXT_CUDA_OPERANDS"):
+        monkeypatch.delenv(name, raising=False)
+    torch.manual_seed(7)
+    n, hq, hkv, L, S = shape[:5]
+    q, k, v = make(shape, dtype)
+    gqa = hq != hkv
+    rng = torch.tensor([99, 1], dtype=torch.long)
+    for name, case in {"plain": {}, "causal": dict(is_causal=True), "window": dict(window=(70, 0))}.items():
+        win = case.get("window", (-1, -1))
+        args = (q, k, v, None, 0.0, case.get("is_causal", False), None, gqa, rng, win[0], win[1], True)
+        cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(*args)
+        refs = references(q, k, v, enable_gqa=gqa, bottom_right=True, is_causal=case.get("is_causal", False),
+                          window=win)
+        for decode, threads in (("auto", 128), ("off", 64)):
+            for splits in ("1", "3"):
+                monkeypatch.setenv("MHA_EXT_CUDA_DECODE", decode)
+                monkeypatch.setenv("MHA_EXT_CUDA_KV_SPLITS", splits)
+                if isinstance(backend, OnCuda):
+                    out, lse, _ = backend.attention(*args)
+                else:
+                    backend.launched_grids(), backend.launched_threads()
+                    out, lse, _ = backend.attention(*args)
+                    grids, launched = backend.launched_grids(), backend.launched_threads()
+                    assert launched[0] == threads and grids[0] == int(splits), (name, decode, splits, grids, launched)
+                assert_all_like_cpu(out, cpu_out, refs, dtype)
+                torch.testing.assert_close(lse, cpu_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits", ["1", "3"])
+def test_emul_decode_kernel_hostile_rows(backend, splits, monkeypatch):
+    # The decode kernel (float16, a GQA group of 8 packed): logits of about
+    # 1e2 stay finite, a NaN in one query head makes that row (only) NaN
+    # through the warps' merge, and a row whose query is zero averages V.
+    # Against the CPU backend and the float64 reference.
+    for name in ("MHA_EXT_CUDA_DECODE", "MHA_EXT_CUDA_FWD_WARP_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MHA_EXT_CUDA_KV_SPLITS", splits)
+    torch.manual_seed(13)
+    q, k, v = make((2, 8, 1, 1, 300, 128, 128), torch.float16, scale=8.0)
+    q[0, 3] = 0
+    q[1, 6, 0, 17] = float("nan")
+    nan_rows = torch.zeros(2, 8, 1, dtype=torch.bool)
+    nan_rows[1, 6, 0] = True
+    if not isinstance(backend, OnCuda):
+        backend.launched_threads()
+    out, lse, _ = backend.attention(q, k, v, None, 0.0, False, None, True)
+    if not isinstance(backend, OnCuda):
+        assert backend.launched_threads()[0] == 128
+    assert torch.isnan(out).any(-1).equal(nan_rows) and torch.isnan(lse).equal(nan_rows)
+    q_ok = q.clone()
+    q_ok[1, 6, 0, 17] = 0
+    cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q_ok, k, v, None, 0.0, False, None, True)
+    fin = ~nan_rows
+    (ref, _), (eager, _) = references(q_ok, k, v, enable_gqa=True)
+    assert_like_cpu(out[fin], cpu_out[fin], ref[fin], eager[fin], torch.float16)
+    torch.testing.assert_close(lse[fin], cpu_lse[fin], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out[0, 3, 0].double(), v[0, 0].double().mean(0), rtol=0, atol=2e-3)
+
+
+def test_emul_decode_setting_is_checked(backend, monkeypatch):
+    q, k, v = make((1, 1, 1, 1, 8, 16, 16), torch.float16)
+    monkeypatch.setenv("MHA_EXT_CUDA_DECODE", "on")
+    with pytest.raises((RuntimeError, ValueError), match='MHA_EXT_CUDA_DECODE must be "auto" or "off", got "on"'):
+        backend.attention(q, k, v, None, 0.0, False, None, False)
 
 
 @pytest.mark.parametrize("hkv,splits", [(1, "1"), (4, "1"), (1, "3")])

@@ -38,6 +38,7 @@ def default_loops(tmp_path_factory):
 
 CONFIGS = [(kind, dtype, d) for kind in ("fwd", "bwd", "dq") for dtype, d in (("f16", 64), ("bf16", 128), ("float", 64))]
 CONFIGS += [("fwd-plain", "f16", 64), ("fwd-plain", "bf16", 128)]  # the plain forward kernel, 32 rows a warp
+CONFIGS += [("decode", "f16", 64), ("decode", "bf16", 128)]  # the decode kernel, warps sharing key tiles
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["-".join(map(str, c)) for c in CONFIGS])

@@ -6,6 +6,7 @@
 //   score_policy.h      the keys a row sees, the variants' score transform,
 //                       softmax units, dropout draws
 //   forward_kernels.h   forward (general and plain) and the key splits' merge
+//   decode_kernels.h    forward of at most 16 query rows, warps sharing key tiles
 //   backward_kernels.h  rowsum(dO * O), key-block backward, deterministic dQ
 //
 // Layout of work. Every warp owns 16 rows of its block's tile (the plain
@@ -36,4 +37,5 @@
 #pragma once
 
 #include "backward_kernels.h"
+#include "decode_kernels.h"
 #include "forward_kernels.h"

@@ -3,8 +3,8 @@
 // build (attention_cuda.cu) and the emulation tests (tests/emul).
 //
 // Instantiations: 4 element types x 3 head dims x 3 kernels (fwd, bwd, bwd_dq)
-// + 4 plain forward kernels (16-bit types at head dims 64 and 128) + 4
-// bwd_dot + 4 combine = 48 per architecture.
+// + 4 plain forward and 4 decode kernels (16-bit types at head dims 64 and
+// 128) + 4 bwd_dot + 4 combine = 52 per architecture.
 #pragma once
 
 #include "attention_kernels.h"
@@ -168,6 +168,36 @@ bool fwd_plain(const AttentionFwdParams& p) {
          !p.dropout.enabled() && !p.variant.changes_scores() && p.block_table == nullptr && !p.scalar_operands;
 }
 
+// Whether a forward call runs the decode kernel (attention_decode_kernel,
+// decode_kernels.h: a block's warps share each key tile): at most 16 query
+// rows (a decode step, after pack_gqa_rows), dense or a KV cache (not
+// varlen), a call the plain kernel would take or a paged KV cache's, where
+// the type and head dim have the plain kernel. MHA_EXT_CUDA_DECODE, read at
+// each launch: unset or "auto": wherever it can, unless
+// MHA_EXT_CUDA_FWD_WARP_ROWS names a kernel ("16", "32"); "off": never (the
+// plain or general kernel, as before). Its rows' bits differ from theirs in
+// the last places (its sums run per warp, then merge).
+template <typename T, int kHeadDim>
+bool fwd_decode(const AttentionFwdParams& p) {
+  const char* v = std::getenv("MHA_EXT_CUDA_DECODE");
+  const std::string mode = v == nullptr ? "auto" : v;
+  if (mode != "auto" && mode != "off")
+    throw std::invalid_argument("MHA_EXT_CUDA_DECODE must be \"auto\" or \"off\", got \"" + mode + "\"");
+  const char* w = std::getenv("MHA_EXT_CUDA_FWD_WARP_ROWS");
+  const bool rows_named = w != nullptr && std::string(w) != "auto";
+  return TileConfig<T, kHeadDim>::kFwdRowTiles > 1 && mode == "auto" && !rows_named && p.len_q <= 16 &&
+         p.cu_seqlens_q == nullptr && p.mask_kind == MaskKind::kNone && !p.dropout.enabled() &&
+         !p.variant.changes_scores() && !p.scalar_operands;
+}
+
+// The decode kernel's shared bytes: a 16-row Q tile and the K/V stages.
+template <typename T, int kHeadDim>
+constexpr int decode_shared_bytes() {
+  using C = TileConfig<T, kHeadDim>;
+  return C::kElem * (16 + 2 * C::kFwdKVStages * C::kFwdBlockN) * C::kLd;
+}
+static_assert(decode_shared_bytes<f16, 64>() == 39168 && decode_shared_bytes<f16, 128>() == 73984);
+
 // The forward's query rows per block, in 16-row slices, for element type T
 // at head dim kHeadDim: kFwdWideWarps (128 rows, 16-bit types) or kFwdWarps
 // (64 rows). MHA_EXT_CUDA_FWD_ROWS, read at each launch: unset or "auto":
@@ -228,22 +258,20 @@ inline int64_t kv_splits_requested() {  // 0: auto
   return n;
 }
 
-// The forward's blocks of kFwdWarps slices a multiprocessor holds at once,
-// counted by their shared memory (and the 1 KiB the hardware reserves a
+// The forward's blocks a multiprocessor holds at once, counted by their
+// shared memory (shared_bytes each, and the 1 KiB the hardware reserves a
 // block), at most 4 (what the plain kernel's registers allow: 64 threads of
-// 255): on an H100 / H200, 16-bit types at head dim 64 4, at 128 and 256 2.
-// (The general kernel's 64-row blocks have 128 threads: at head dim 64 its
-// registers hold 3 a multiprocessor; the count is the same for both kernels
-// so that their splits, and so their bits, are the same.)
-template <typename T, int kHeadDim>
-int64_t fwd_resident_blocks() {
-  using C = TileConfig<T, kHeadDim>;
-  const int64_t per_block = static_cast<int64_t>(C::fwd_shared_bytes(C::kFwdWarps)) + 1024;
-  return std::clamp<int64_t>(shared_per_multiprocessor() / per_block, 1, 4);
+// 255; the decode kernel's 128 threads of at most 128). On an H100 / H200:
+// blocks of kFwdWarps slices (the plain and general kernels, counted alike
+// so that their splits, and so their bits, are the same; the general
+// kernel's 128 threads at head dim 64 fit 3 by registers) of 16-bit types 4
+// at head dim 64, 2 at 128 and 256; the decode kernel's 4 and 3.
+inline int64_t fwd_resident_blocks(int64_t shared_bytes) {
+  return std::clamp<int64_t>(shared_per_multiprocessor() / (shared_bytes + 1024), 1, 4);
 }
 
 template <typename T, int kHeadDim>
-int64_t fwd_kv_splits(const AttentionFwdParams& p) {
+int64_t fwd_kv_splits(const AttentionFwdParams& p, int64_t resident) {
   if (p.cu_seqlens_q != nullptr || p.len_q == 0 || p.len_kv == 0) return 1;
   const int64_t asked = kv_splits_requested();
   const int64_t tiles = (p.len_kv + TileConfig<T, kHeadDim>::kFwdBlockN - 1) / TileConfig<T, kHeadDim>::kFwdBlockN;
@@ -251,7 +279,7 @@ int64_t fwd_kv_splits(const AttentionFwdParams& p) {
   const int64_t sms = multiprocessor_count();
   if (blocks >= 2 * sms) return 1;  // the GPU is full (and a long query's workspace would be large)
   if (asked > 0) return std::min(asked, tiles);
-  const int64_t wave = fwd_resident_blocks<T, kHeadDim>() * sms;
+  const int64_t wave = resident * sms;
   return std::clamp<int64_t>(std::min(wave / blocks, tiles / kMinSplitTiles), 1, kMaxSplits);
 }
 
@@ -272,9 +300,12 @@ void launch_attention_fwd(const AttentionFwdParams& params, Stream stream, Check
     const bool wide_fits =
         C::kFwdWideWarps != C::kFwdWarps && C::fwd_shared_bytes(C::kFwdWideWarps) <= max_shared_per_block();
     const bool plain = fwd_plain<T, kHeadDim>(p);
+    const bool decode = fwd_decode<T, kHeadDim>(p);
     const int row_tiles = plain ? C::kFwdRowTiles : 1;  // a warp's 16-row tiles
-    const int slices = fwd_slices<T, kHeadDim>(p.len_q, wide_fits, row_tiles);
-    p.kv_splits = fwd_kv_splits<T, kHeadDim>(p);
+    const int rows_slices = fwd_slices<T, kHeadDim>(p.len_q, wide_fits, row_tiles);  // (checks its setting too)
+    const int slices = decode ? 1 : rows_slices;
+    p.kv_splits = fwd_kv_splits<T, kHeadDim>(
+        p, fwd_resident_blocks(decode ? decode_shared_bytes<T, kHeadDim>() : C::fwd_shared_bytes(C::kFwdWarps)));
     const int64_t bh = p.batch * p.heads_q, rows = bh * p.len_q;
     if (p.kv_splits > 1) {
       const int64_t parts = p.kv_splits * rows;
@@ -290,12 +321,17 @@ void launch_attention_fwd(const AttentionFwdParams& params, Stream stream, Check
     const int limit = C::fwd_shared_bytes(wide_fits ? C::kFwdWideWarps : C::kFwdWarps);
     const SharedMemory smem{static_cast<size_t>(C::fwd_shared_bytes(slices)), static_cast<size_t>(limit)};
     if constexpr (C::kFwdRowTiles > 1) {
-      if (plain) {
+      if (decode) {
+        constexpr int kBytes = decode_shared_bytes<T, kHeadDim>();
+        check(launch_kernel(attention_decode_kernel<T, kHeadDim>, grid, dim3(32 * C::kFwdBlockN / 16),
+                            SharedMemory{kBytes, kBytes}, stream, p));
+      } else if (plain) {
         check(launch_kernel(attention_fwd_kernel<T, kHeadDim, true>, grid, dim3(32 * slices / row_tiles), smem,
                             stream, p));
       }
     }
-    if (!plain) check(launch_kernel(attention_fwd_kernel<T, kHeadDim, false>, grid, dim3(32 * slices), smem, stream, p));
+    if (!plain && !decode)
+      check(launch_kernel(attention_fwd_kernel<T, kHeadDim, false>, grid, dim3(32 * slices), smem, stream, p));
     if (p.kv_splits > 1) {
       constexpr int kCombineWarps = 4;  // a row each
       check(launch_kernel(attention_combine_kernel<T>, dim3(row_blocks(rows, kCombineWarps)), dim3(32 * kCombineWarps),

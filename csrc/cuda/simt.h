@@ -50,6 +50,8 @@ struct SharedMemory {
 
 #define MHA_DEVICE __device__ __forceinline__
 #define MHA_KERNEL __global__ void
+// at most `threads` a block, registers for `blocks` of them a multiprocessor
+#define MHA_LAUNCH_BOUNDS(threads, blocks) __launch_bounds__(threads, blocks)
 #define MHA_UNROLL _Pragma("unroll")
 #define MHA_NO_UNROLL _Pragma("unroll 1")
 

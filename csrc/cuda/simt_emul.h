@@ -39,6 +39,7 @@
 
 #define MHA_DEVICE inline
 #define MHA_KERNEL void
+#define MHA_LAUNCH_BOUNDS(threads, blocks)
 #define MHA_UNROLL
 #define MHA_NO_UNROLL
 

@@ -11,8 +11,9 @@ namespace mha_ext::device {
   template __global__ void attention_bwd_kernel<T, D>(const AttentionBwdParams); \
   template __global__ void attention_bwd_dq_kernel<T, D>(const AttentionBwdParams);
 
-// the plain forward kernel (launch.h's fwd_plain): 16-bit types up to head dim 128
-#define MHA_PTX_INSTANTIATE_PLAIN(T, D) template __global__ void attention_fwd_kernel<T, D, true>(const AttentionFwdParams);
+// the plain forward and decode kernels (launch.h's fwd_plain, fwd_decode): 16-bit types up to head dim 128
+#define MHA_PTX_INSTANTIATE_PLAIN(T, D) template __global__ void attention_fwd_kernel<T, D, true>(const AttentionFwdParams); \
+  template __global__ void attention_decode_kernel<T, D>(const AttentionFwdParams);
 
 #if defined(MHA_PTX_ALL)
 MHA_PTX_INSTANTIATE_PLAIN(f16, 64)
