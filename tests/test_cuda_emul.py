@@ -934,6 +934,12 @@ DECODE_SHAPES = [(2, 4, 4, 1, 300, 64, 64),  # one row a head, a partial last ke
                  (1, 2, 2, 16, 129, 128, 96)]  # 16 rows
 
 
+def decode_shared_bytes(d):
+    """The decode kernel's shared bytes (launch.h): a 16-row Q tile and two
+    stages of 64-key K and V tiles, rows padded by 8 elements; d: max(E, Ev)."""
+    return 2 * (16 + 4 * 64) * ((64 if d <= 64 else 128) + 8)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
 def test_emul_decode_kernel_warps_share_the_key_tiles(backend, dtype, shape, monkeypatch):
@@ -941,9 +947,10 @@ def test_emul_decode_kernel_warps_share_the_key_tiles(backend, dtype, shape, mon
     # each tile each and merge their (max, sum, O) in shared memory. Against
     # the float64 reference and the CPU's logsumexp: causal aligned
     # bottom-right (each of several rows ends at another key, so the band cuts
-    # a warp's keys differently per row) and a window; one key split and
-    # three; MHA_EXT_CUDA_DECODE=off runs the plain kernel (64 threads a block)
-    # to the same bounds.
+    # a warp's keys differently per row), a window, a bool mask with a fully
+    # masked row, a float mask with softcap, ALiBi; one key split and three;
+    # MHA_EXT_CUDA_DECODE=off runs the plain or general kernel to the same
+    # bounds (the launch log's shared bytes say which ran).
     for name in ("MHA_EXT_CUDA_KV_SPLITS", "MHA_EXT_CUDA_FWD_ROWS", "MHA_EXT_CUDA_FWD_WARP_ROWS",
                  "MHA_EXT_CUDA_OPERANDS"):
         monkeypatch.delenv(name, raising=False)
@@ -952,24 +959,34 @@ def test_emul_decode_kernel_warps_share_the_key_tiles(backend, dtype, shape, mon
     q, k, v = make(shape, dtype)
     gqa = hq != hkv
     rng = torch.tensor([99, 1], dtype=torch.long)
-    for name, case in {"plain": {}, "causal": dict(is_causal=True), "window": dict(window=(70, 0))}.items():
+    bool_mask = torch.rand(n, hq, L, S) > 0.25
+    bool_mask[0, -1, L - 1] = False  # a row that sees no key: 0, lse -inf
+    float_mask = torch.randn(n, 1, L, S).to(dtype)
+    cases = {"plain": {}, "causal": dict(is_causal=True), "window": dict(window=(70, 0)),
+             "bool mask": dict(mask=bool_mask), "float mask and softcap": dict(mask=float_mask, softcap=4.0),
+             "alibi": dict(alibi_slopes=torch.linspace(0.05, 0.5, hq))}
+    for name, case in cases.items():
         win = case.get("window", (-1, -1))
-        args = (q, k, v, None, 0.0, case.get("is_causal", False), None, gqa, rng, win[0], win[1], True)
+        args = (q, k, v, case.get("mask"), 0.0, case.get("is_causal", False), None, gqa, rng, win[0], win[1], True,
+                case.get("softcap", 0.0), case.get("alibi_slopes"))
         cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(*args)
         refs = references(q, k, v, enable_gqa=gqa, bottom_right=True, is_causal=case.get("is_causal", False),
-                          window=win)
-        for decode, threads in (("auto", 128), ("off", 64)):
+                          window=win, mask=case.get("mask"), softcap=case.get("softcap", 0.0),
+                          alibi_slopes=case.get("alibi_slopes"))
+        for decode in ("auto", "off"):
             for splits in ("1", "3"):
                 monkeypatch.setenv("MHA_EXT_CUDA_DECODE", decode)
                 monkeypatch.setenv("MHA_EXT_CUDA_KV_SPLITS", splits)
                 if isinstance(backend, OnCuda):
                     out, lse, _ = backend.attention(*args)
                 else:
-                    backend.launched_grids(), backend.launched_threads()
+                    backend.launched_grids(), backend.launched_shared()
                     out, lse, _ = backend.attention(*args)
-                    grids, launched = backend.launched_grids(), backend.launched_threads()
-                    assert launched[0] == threads and grids[0] == int(splits), (name, decode, splits, grids, launched)
+                    grids, shared = backend.launched_grids(), backend.launched_shared()
+                    ran_decode = shared[0] == decode_shared_bytes(max(shape[5], shape[6]))
+                    assert ran_decode == (decode == "auto") and grids[0] == int(splits), (name, decode, splits, grids)
                 assert_all_like_cpu(out, cpu_out, refs, dtype)
+                assert torch.equal(torch.isinf(lse), torch.isinf(cpu_lse)), (name, decode, splits)
                 torch.testing.assert_close(lse, cpu_lse, rtol=1e-5, atol=1e-5)
 
 
@@ -989,10 +1006,10 @@ def test_emul_decode_kernel_hostile_rows(backend, splits, monkeypatch):
     nan_rows = torch.zeros(2, 8, 1, dtype=torch.bool)
     nan_rows[1, 6, 0] = True
     if not isinstance(backend, OnCuda):
-        backend.launched_threads()
+        backend.launched_shared()
     out, lse, _ = backend.attention(q, k, v, None, 0.0, False, None, True)
     if not isinstance(backend, OnCuda):
-        assert backend.launched_threads()[0] == 128
+        assert backend.launched_shared()[0] == decode_shared_bytes(128)
     assert torch.isnan(out).any(-1).equal(nan_rows) and torch.isnan(lse).equal(nan_rows)
     q_ok = q.clone()
     q_ok[1, 6, 0, 17] = 0

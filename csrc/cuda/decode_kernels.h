@@ -12,8 +12,8 @@ using namespace mha_ext::simt;
 
 // At most 16 query rows a block (a decode step's one row, a GQA group packed
 // by pack_gqa_rows, the few rows of a speculative or chunked KV-cache step),
-// 16-bit types, calls the plain kernel would take (no mask tensor, dropout,
-// softcap or ALiBi) and paged KV caches. The plain kernel gives such rows to
+// 16-bit types, every call but dropout (masks, softcap and ALiBi by
+// masked_score; paged KV caches). The plain (or general) kernel gives such rows to
 // one warp, which does every product of a key tile while the block's other
 // warp only copies: at batch 8 the H200 read K/V at 1.1-1.3 TB/s where
 // flash read 2.6 (bench/results/2026-11-27). Here warp w of the block's
@@ -58,6 +58,8 @@ MHA_KERNEL MHA_LAUNCH_BOUNDS(128, kHeadDim <= 64 ? 4 : 3) attention_decode_kerne
   const int64_t L = p.len_q, S = p.len_kv;
   if (i0 >= L) return;
   const A scale = static_cast<A>(p.scale);
+  // scores beyond the scaled dot product and the band: masked_score's path
+  const bool general = p.mask_kind != MaskKind::kNone || p.variant.changes_scores();
   const int64_t i_last = i0 + kM - 1 < L ? i0 + kM - 1 : L - 1;
 
   auto copy_tile = [](T* dst, int k_rows, const T* src, int64_t rs, int64_t cs, int64_t rows, int64_t cols) {
@@ -104,8 +106,9 @@ MHA_UNROLL
                             Tile2<T>{k_s, 1, kLd}, 16 * kk, lane, false);
     // the scores in the softmax's units: an interior run of keys (rows past L
     // count as inside: their Q rows are zero, their output never written)
-    // takes the plain path where plain_scores allows; otherwise each of the
-    // lane's two rows keeps the columns [lo, hi) of the 16 it sees
+    // takes the plain path where plain_scores allows; a mask or a score
+    // variant masked_score's per score; otherwise each of the lane's two
+    // rows keeps the columns [lo, hi) of the 16 it sees
     A tile_max[2] = {-INFINITY, -INFINITY};
     const bool fast = plain_scores<T>(s, interior_tile(p, i0, i_last, jw, jw + 15), scale);
     if (fast) {
@@ -115,6 +118,15 @@ MHA_UNROLL
         for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[t][e]);
       tile_max[0] = Units::scaled(tile_max[0], scale);  // scale > 0: the scaled max is the max scaled
       tile_max[1] = Units::scaled(tile_max[1], scale);
+    } else if (general) {  // a mask tensor, softcap or ALiBi: the one score transform, per score
+MHA_UNROLL
+      for (int t = 0; t < 2; ++t)
+MHA_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int64_t i = i0 + MmaLayout::c_row(lane, e), j = jw + 8 * t + MmaLayout::c_col(lane, e);
+          s[t][e] = i < L && j < S ? Units::from_nats(masked_score<T>(p, b, h, i, j, s[t][e])) : A(-INFINITY);
+          tile_max[e / 2] = nan_max(tile_max[e / 2], s[t][e]);
+        }
     } else {
       int lo[2], hi[2];
 MHA_UNROLL

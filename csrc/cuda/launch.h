@@ -170,9 +170,9 @@ bool fwd_plain(const AttentionFwdParams& p) {
 
 // Whether a forward call runs the decode kernel (attention_decode_kernel,
 // decode_kernels.h: a block's warps share each key tile): at most 16 query
-// rows (a decode step, after pack_gqa_rows), dense or a KV cache (not
-// varlen), a call the plain kernel would take or a paged KV cache's, where
-// the type and head dim have the plain kernel. MHA_EXT_CUDA_DECODE, read at
+// rows (a decode step, after pack_gqa_rows), dense or a KV cache (paged
+// or not; not varlen), without dropout (masks, softcap and ALiBi go through
+// masked_score there), where the type and head dim have the plain kernel. MHA_EXT_CUDA_DECODE, read at
 // each launch: unset or "auto": wherever it can, unless
 // MHA_EXT_CUDA_FWD_WARP_ROWS names a kernel ("16", "32"); "off": never (the
 // plain or general kernel, as before). Its rows' bits differ from theirs in
@@ -186,8 +186,7 @@ bool fwd_decode(const AttentionFwdParams& p) {
   const char* w = std::getenv("MHA_EXT_CUDA_FWD_WARP_ROWS");
   const bool rows_named = w != nullptr && std::string(w) != "auto";
   return TileConfig<T, kHeadDim>::kFwdRowTiles > 1 && mode == "auto" && !rows_named && p.len_q <= 16 &&
-         p.cu_seqlens_q == nullptr && p.mask_kind == MaskKind::kNone && !p.dropout.enabled() &&
-         !p.variant.changes_scores() && !p.scalar_operands;
+         p.cu_seqlens_q == nullptr && !p.dropout.enabled() && !p.scalar_operands;
 }
 
 // The decode kernel's shared bytes: a 16-row Q tile and the K/V stages.

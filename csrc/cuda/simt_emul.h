@@ -348,6 +348,12 @@ inline std::vector<unsigned>& launched_threads() {
   return threads;
 }
 
+// and the dynamic shared bytes of each (mha_ext_emul::launched_shared)
+inline std::vector<size_t>& launched_shared() {
+  static std::vector<size_t> shared;
+  return shared;
+}
+
 // Runs the kernel under the emulation; returns 0 (no error) to mirror the CUDA form.
 template <typename... KArgs, typename... Args>
 inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t shared_bytes,
@@ -358,6 +364,9 @@ inline int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t
   auto& threads = launched_threads();
   if (threads.size() >= 4096) threads.erase(threads.begin(), threads.begin() + 2048);
   threads.push_back(block.x * block.y * block.z);
+  auto& shared = launched_shared();
+  if (shared.size() >= 4096) shared.erase(shared.begin(), shared.begin() + 2048);
+  shared.push_back(shared_bytes);
   emul::launch(grid, block, shared_bytes, [&] { kernel(args...); });
   return 0;
 }

@@ -21,6 +21,7 @@ TORCH_LIBRARY(mha_ext_emul, m) {
   m.def(mha_ext::kDrawRngStateSchema);
   m.def("launched_grids() -> int[]");  // (x, y, z) of each launch since the last call
   m.def("launched_threads() -> int[]");  // the threads per block of each launch since the last call
+  m.def("launched_shared() -> int[]");  // the dynamic shared bytes of each launch since the last call
 }
 
 // The grids the emulated kernels were launched with since the last call, flat.
@@ -47,7 +48,15 @@ std::vector<int64_t> launched_threads() {
   return out;
 }
 
+// The dynamic shared bytes of the launches since the last call.
+std::vector<int64_t> launched_shared() {
+  std::vector<int64_t> out(mha_ext::simt::launched_shared().begin(), mha_ext::simt::launched_shared().end());
+  mha_ext::simt::launched_shared().clear();
+  return out;
+}
+
 TORCH_LIBRARY_IMPL(mha_ext_emul, CatchAll, m) {
   m.impl("launched_grids", &launched_grids);
   m.impl("launched_threads", &launched_threads);
+  m.impl("launched_shared", &launched_shared);
 }
