@@ -844,12 +844,13 @@ def test_emul_key_splits_auto_fills_the_gpu(backend, monkeypatch):
     assert grids[:3] == [min(4 * 132 // 8, 2048 // 64 // 4), 3, 3] and len(grids) == 6, grids
     assert_like_cpu(out, torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, False)[0],
                     R.attention(q, k, v), R.attention(q, k, v, compute_dtype=torch.float16), torch.float16)
-    # where the tiles do not bound it: 100 one-row blocks at head dim 64 take
-    # 5 splits (500 blocks of the 528 that fit); 20 blocks of 17 rows (the
+    # where the rule differs from rounding up to twice the multiprocessors:
+    # 150 one-row blocks at head dim 64 take 3 splits (450 blocks of the 528
+    # that fit; 12 key tiles allow 3); 20 blocks of 17 rows (the
     # plain kernel's) at head dim 128 13 (260 of 264: 14 would start 16 of 280
     # blocks in a second wave); 40 one-row blocks (the decode kernel's, 74 KiB:
     # 3 a multiprocessor) at head dim 128 9 (360 of 396)
-    for shape, splits, threads in (((1, 100, 100, 1, 1536, 64, 64), 5, 128), ((1, 20, 20, 17, 3584, 128, 128), 13, 64),
+    for shape, splits, threads in (((1, 150, 150, 1, 768, 64, 64), 3, 128), ((1, 20, 20, 17, 3584, 128, 128), 13, 64),
                                    ((1, 40, 40, 1, 2304, 128, 128), 9, 128)):
         q, k, v = make(shape, torch.float16)
         backend.launched_grids(), backend.launched_threads()
@@ -927,11 +928,13 @@ def test_emul_decode_packs_a_gqa_group_into_one_block(backend, dtype, monkeypatc
         assert_all_like_cpu(out, cpu_out, references(q, k, v, **kw), dtype)
 
 
-# (N, Hq, Hkv, L, S, E, Ev): at most 16 query rows a block, the decode kernel's calls
-DECODE_SHAPES = [(2, 4, 4, 1, 300, 64, 64),  # one row a head, a partial last key tile
-                 (1, 16, 1, 1, 257, 128, 128),  # a GQA group of 16 packed into one block
-                 (2, 6, 2, 5, 190, 40, 72),  # 5 rows (a chunked KV-cache step), E != Ev, GQA
-                 (1, 2, 2, 16, 129, 128, 96)]  # 16 rows
+# (N, Hq, Hkv, L, S, E, Ev) and dtype: at most 16 query rows a block, the
+# decode kernel's calls (one instantiation a dtype and head dim; each dtype
+# at both head dims)
+DECODE_SHAPES = [((2, 4, 4, 1, 300, 64, 64), torch.float16),  # one row a head, a partial last key tile
+                 ((1, 16, 1, 1, 257, 128, 128), torch.bfloat16),  # a GQA group of 16 packed into one block
+                 ((2, 6, 2, 5, 190, 40, 72), torch.bfloat16),  # 5 rows (a chunked KV-cache step), E != Ev, GQA
+                 ((1, 2, 2, 16, 129, 128, 96), torch.float16)]  # 16 rows
 
 
 def decode_shared_bytes(d):
@@ -940,9 +943,8 @@ def decode_shared_bytes(d):
     return 2 * (16 + 4 * 64) * ((64 if d <= 64 else 128) + 8)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", DECODE_SHAPES)
-def test_emul_decode_kernel_warps_share_the_key_tiles(backend, dtype, shape, monkeypatch):
+@pytest.mark.parametrize("shape,dtype", DECODE_SHAPES)
+def test_emul_decode_kernel_warps_share_the_key_tiles(backend, shape, dtype, monkeypatch):
     # At most 16 query rows: the decode kernel, whose 4 warps take 16 keys of
     # each tile each and merge their (max, sum, O) in shared memory. Against
     # the float64 reference and the CPU's logsumexp: causal aligned
@@ -950,7 +952,8 @@ def test_emul_decode_kernel_warps_share_the_key_tiles(backend, dtype, shape, mon
     # a warp's keys differently per row), a window, a bool mask with a fully
     # masked row, a float mask with softcap, ALiBi; one key split and three;
     # MHA_EXT_CUDA_DECODE=off runs the plain or general kernel to the same
-    # bounds (the launch log's shared bytes say which ran).
+    # bounds (the launch log's shared bytes say which ran; their key splits
+    # have tests of their own).
     for name in ("MHA_EXT_CUDA_KV_SPLITS", "MHA_EXT_CUDA_FWD_ROWS", "MHA_EXT_CUDA_FWD_WARP_ROWS",
                  "MHA_EXT_CUDA_OPERANDS"):
         monkeypatch.delenv(name, raising=False)
@@ -973,21 +976,20 @@ def test_emul_decode_kernel_warps_share_the_key_tiles(backend, dtype, shape, mon
         refs = references(q, k, v, enable_gqa=gqa, bottom_right=True, is_causal=case.get("is_causal", False),
                           window=win, mask=case.get("mask"), softcap=case.get("softcap", 0.0),
                           alibi_slopes=case.get("alibi_slopes"))
-        for decode in ("auto", "off"):
-            for splits in ("1", "3"):
-                monkeypatch.setenv("MHA_EXT_CUDA_DECODE", decode)
-                monkeypatch.setenv("MHA_EXT_CUDA_KV_SPLITS", splits)
-                if isinstance(backend, OnCuda):
-                    out, lse, _ = backend.attention(*args)
-                else:
-                    backend.launched_grids(), backend.launched_shared()
-                    out, lse, _ = backend.attention(*args)
-                    grids, shared = backend.launched_grids(), backend.launched_shared()
-                    ran_decode = shared[0] == decode_shared_bytes(max(shape[5], shape[6]))
-                    assert ran_decode == (decode == "auto") and grids[0] == int(splits), (name, decode, splits, grids)
-                assert_all_like_cpu(out, cpu_out, refs, dtype)
-                assert torch.equal(torch.isinf(lse), torch.isinf(cpu_lse)), (name, decode, splits)
-                torch.testing.assert_close(lse, cpu_lse, rtol=1e-5, atol=1e-5)
+        for decode, splits in (("auto", "1"), ("auto", "3"), ("off", "1")):
+            monkeypatch.setenv("MHA_EXT_CUDA_DECODE", decode)
+            monkeypatch.setenv("MHA_EXT_CUDA_KV_SPLITS", splits)
+            if isinstance(backend, OnCuda):
+                out, lse, _ = backend.attention(*args)
+            else:
+                backend.launched_grids(), backend.launched_shared()
+                out, lse, _ = backend.attention(*args)
+                grids, shared = backend.launched_grids(), backend.launched_shared()
+                ran_decode = shared[0] == decode_shared_bytes(max(shape[5], shape[6]))
+                assert ran_decode == (decode == "auto") and grids[0] == int(splits), (name, decode, splits, grids)
+            assert_all_like_cpu(out, cpu_out, refs, dtype)
+            assert torch.equal(torch.isinf(lse), torch.isinf(cpu_lse)), (name, decode, splits)
+            torch.testing.assert_close(lse, cpu_lse, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("splits", ["1", "3"])
