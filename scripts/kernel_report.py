@@ -158,9 +158,10 @@ def shared_and_threads(tmp):
                 '  if (C::kFwdRowTiles > 1) {\n'
                 '    printf("fwd-plain %s %d %d %d\\n", n, D, 32 * C::kFwdWarps / C::kFwdRowTiles, C::kFwdSharedBytes);\n'
                 '    printf("fwd-plain128 %s %d %d %d\\n", n, D, 32 * C::kFwdWideWarps / C::kFwdRowTiles,\n'
-                '           C::fwd_shared_bytes(C::kFwdWideWarps));\n'
+                '           C::fwd_shared_bytes(C::kFwdWideWarps));\n  }\n'
+                '  if (C::kElem == 2)\n'
                 '    printf("decode %s %d %d %d\\n", n, D, 32 * C::kFwdBlockN / 16,\n'
-                '           C::kElem * (16 + 2 * C::kFwdKVStages * C::kFwdBlockN) * C::kLd);\n  }\n'
+                '           C::kElem * (16 + 2 * C::kFwdKVStages * C::kFwdBlockN) * C::kLd);\n'
                 '  printf("bwd %s %d %d %d\\n", n, D, 32 * C::kBwdWarps, C::kBwdSharedBytes);\n'
                 '  printf("dq %s %d %d %d\\n", n, D, 32 * C::kBwdWarps, C::kBwdDqSharedBytes);\n}\nint main() {\n')
         for t, n in (("f16", "f16"), ("bf16", "bf16"), ("float", "float"), ("double", "double")):

@@ -934,13 +934,16 @@ def test_emul_decode_packs_a_gqa_group_into_one_block(backend, dtype, monkeypatc
 DECODE_SHAPES = [((2, 4, 4, 1, 300, 64, 64), torch.float16),  # one row a head, a partial last key tile
                  ((1, 16, 1, 1, 257, 128, 128), torch.bfloat16),  # a GQA group of 16 packed into one block
                  ((2, 6, 2, 5, 190, 40, 72), torch.bfloat16),  # 5 rows (a chunked KV-cache step), E != Ev, GQA
-                 ((1, 2, 2, 16, 129, 128, 96), torch.float16)]  # 16 rows
+                 ((1, 2, 2, 16, 129, 128, 96), torch.float16),  # 16 rows
+                 ((1, 8, 2, 1, 200, 256, 256), torch.float16)]  # head dim 256: 32-key tiles, 2 warps
 
 
 def decode_shared_bytes(d):
     """The decode kernel's shared bytes (launch.h): a 16-row Q tile and two
-    stages of 64-key K and V tiles, rows padded by 8 elements; d: max(E, Ev)."""
-    return 2 * (16 + 4 * 64) * ((64 if d <= 64 else 128) + 8)
+    stages of K and V tiles (64 keys, 32 at head dim 256), rows padded by 8
+    elements; d: max(E, Ev)."""
+    padded = 64 if d <= 64 else 128 if d <= 128 else 256
+    return 2 * (16 + 4 * (64 if padded <= 128 else 32)) * (padded + 8)
 
 
 @pytest.mark.parametrize("shape,dtype", DECODE_SHAPES)

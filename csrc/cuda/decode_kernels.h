@@ -29,18 +29,19 @@ using namespace mha_ext::simt;
 // Shared: Q (16 x kLd), kFwdKVStages x (K and V (kFwdBlockN x kLd)); after
 // the tiles, the warps' O (float, 16 x kHeadDim each), maxima, sums and
 // weights in the stages' place.
-// Registers: 128 threads a block, 4 blocks a multiprocessor at head dim 64
-// and 3 at 128 (launch.h's fwd_resident_blocks counts them by shared
-// memory: ptxas left alone took 171 at 128 on sm_90, 2 blocks; held to 168 it
-// takes 156 without spills).
+// Registers: a warp per 16 keys of a tile (4 at head dims 64 and 128, 2 at
+// 256, where 16-bit tiles hold 32 keys), 4 blocks a multiprocessor at head
+// dim 64 and 3 at 128 and 256 (launch.h's fwd_resident_blocks counts them by
+// shared memory: ptxas left alone took 171 at 128 on sm_90, 2 blocks; held
+// to 168 it takes 156 without spills).
 template <typename T, int kHeadDim>
-MHA_KERNEL MHA_LAUNCH_BOUNDS(128, kHeadDim <= 64 ? 4 : 3) attention_decode_kernel(const AttentionFwdParams params) {
+MHA_KERNEL MHA_LAUNCH_BOUNDS((2 * TileConfig<T, kHeadDim>::kFwdBlockN), kHeadDim <= 64 ? 4 : 3)
+    attention_decode_kernel(const AttentionFwdParams params) {
   using A = float;
   using Cfg = TileConfig<T, kHeadDim>;
   static_assert(sizeof(T) == 2, "the decode kernel runs 16-bit types on the tensor cores");
   constexpr int kN = Cfg::kFwdBlockN, kLd = Cfg::kLd, kStages = Cfg::kFwdKVStages;
   constexpr int kWarps = kN / 16, kOT = kHeadDim / 8, kKT = kHeadDim / 16, kM = 16;
-  static_assert(kWarps == 4, "the launch bounds count 4 warps a block");
   static_assert(kWarps * 16 * kHeadDim * 4 + 3 * kWarps * kM * 4 + 2 * kM * 4 <= 2 * kStages * kN * kLd * 2,
                 "the merge's scratch fits in the K/V stages");
   using Units = SoftmaxUnits<A>;
@@ -71,7 +72,10 @@ MHA_KERNEL MHA_LAUNCH_BOUNDS(128, kHeadDim <= 64 ? 4 : 3) attention_decode_kerne
 
   A o[kOT][4], m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {A(0), A(0)};
   zero(o);
-  uint32_t qa[kKT][4];  // Q's A fragments, from the first tile on
+  // Q's A fragments, in registers from the first tile on up to head dim 128
+  // (at 256 they and O would take 192 registers: loaded each tile there)
+  constexpr bool kQInRegisters = kHeadDim <= 128;
+  uint32_t qa[kQInRegisters ? kKT : 1][4];
   bool q_loaded = false;
   // the key tiles some row of the block may see; with key splits this split's run of them
   const int64_t vis_end = p.variant.end(i_last, S);
@@ -89,10 +93,11 @@ MHA_KERNEL MHA_LAUNCH_BOUNDS(128, kHeadDim <= 64 ? 4 : 3) attention_decode_kerne
     cp_async_commit();
   };
   stream_tiles<kStages>(j_first, kv_end, kN, issue, [&](int64_t j0, int stage) {
-    if (!q_loaded) {  // Q landed with the first tile's wait
-      const int r8 = lane % 8, m_lo = (lane / 8) % 2, m_hi = lane / 16;
+    const int r8 = lane % 8, m_lo = (lane / 8) % 2, m_hi = lane / 16;
+    if (kQInRegisters && !q_loaded) {  // Q landed with the first tile's wait
 MHA_UNROLL
-      for (int kk = 0; kk < kKT; ++kk) ldmatrix_x4(qa[kk], q_s + (r8 + 8 * m_lo) * kLd + 16 * kk + 8 * m_hi);
+      for (int kk = 0; kk < (kQInRegisters ? kKT : 0); ++kk)
+        ldmatrix_x4(qa[kk], q_s + (r8 + 8 * m_lo) * kLd + 16 * kk + 8 * m_hi);
       q_loaded = true;
     }
     const T* k_s = kv_s + 2 * stage * kN * kLd + 16 * warp * kLd;  // this warp's 16 keys
@@ -100,10 +105,15 @@ MHA_UNROLL
     const int64_t jw = j0 + 16 * warp;
     A s[2][4];
     zero(s);
+    if constexpr (kQInRegisters) {
 MHA_UNROLL
-    for (int kk = 0; kk < kKT; ++kk)
-      mma16_b_step<T, 1, 2>(reinterpret_cast<A(&)[1][2][4]>(s), reinterpret_cast<const uint32_t(&)[1][4]>(qa[kk]),
-                            Tile2<T>{k_s, 1, kLd}, 16 * kk, lane, false);
+      for (int kk = 0; kk < kKT; ++kk)
+        mma16_b_step<T, 1, 2>(reinterpret_cast<A(&)[1][2][4]>(s), reinterpret_cast<const uint32_t(&)[1][4]>(qa[kk]),
+                              Tile2<T>{k_s, 1, kLd}, 16 * kk, lane, false);
+    } else {
+      warp_mma16<T, 1, 2>(reinterpret_cast<A(&)[1][2][4]>(s), Tile2<T>{q_s, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim,
+                          lane, false);
+    }
     // the scores in the softmax's units: an interior run of keys (rows past L
     // count as inside: their Q rows are zero, their output never written)
     // takes the plain path where plain_scores allows; a mask or a score

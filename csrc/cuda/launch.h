@@ -3,8 +3,8 @@
 // build (attention_cuda.cu) and the emulation tests (tests/emul).
 //
 // Instantiations: 4 element types x 3 head dims x 3 kernels (fwd, bwd, bwd_dq)
-// + 4 plain forward and 4 decode kernels (16-bit types at head dims 64 and
-// 128) + 4 bwd_dot + 4 combine = 52 per architecture.
+// + 4 plain forward kernels (16-bit types at head dims 64 and 128) + 6
+// decode kernels (16-bit types) + 4 bwd_dot + 4 combine = 54 per architecture.
 #pragma once
 
 #include "attention_kernels.h"
@@ -172,8 +172,8 @@ bool fwd_plain(const AttentionFwdParams& p) {
 // decode_kernels.h: a block's warps share each key tile): at most 16 query
 // rows (a decode step, after pack_gqa_rows), dense or a KV cache (paged
 // or not; not varlen), without dropout (masks, softcap and ALiBi go through
-// masked_score there), where the type and head dim have the plain kernel. MHA_EXT_CUDA_DECODE, read at
-// each launch: unset or "auto": wherever it can, unless
+// masked_score there), 16-bit types. MHA_EXT_CUDA_DECODE, read at each
+// launch: unset or "auto": wherever it can, unless
 // MHA_EXT_CUDA_FWD_WARP_ROWS names a kernel ("16", "32"); "off": never (the
 // plain or general kernel, as before). Its rows' bits differ from theirs in
 // the last places (its sums run per warp, then merge).
@@ -185,7 +185,7 @@ bool fwd_decode(const AttentionFwdParams& p) {
     throw std::invalid_argument("MHA_EXT_CUDA_DECODE must be \"auto\" or \"off\", got \"" + mode + "\"");
   const char* w = std::getenv("MHA_EXT_CUDA_FWD_WARP_ROWS");
   const bool rows_named = w != nullptr && std::string(w) != "auto";
-  return TileConfig<T, kHeadDim>::kFwdRowTiles > 1 && mode == "auto" && !rows_named && p.len_q <= 16 &&
+  return sizeof(T) == 2 && mode == "auto" && !rows_named && p.len_q <= 16 &&
          p.cu_seqlens_q == nullptr && !p.dropout.enabled() && !p.scalar_operands;
 }
 
@@ -195,7 +195,8 @@ constexpr int decode_shared_bytes() {
   using C = TileConfig<T, kHeadDim>;
   return C::kElem * (16 + 2 * C::kFwdKVStages * C::kFwdBlockN) * C::kLd;
 }
-static_assert(decode_shared_bytes<f16, 64>() == 39168 && decode_shared_bytes<f16, 128>() == 73984);
+static_assert(decode_shared_bytes<f16, 64>() == 39168 && decode_shared_bytes<f16, 128>() == 73984 &&
+              decode_shared_bytes<bf16, 256>() == 76032);
 
 // The forward's query rows per block, in 16-row slices, for element type T
 // at head dim kHeadDim: kFwdWideWarps (128 rows, 16-bit types) or kFwdWarps
@@ -319,12 +320,15 @@ void launch_attention_fwd(const AttentionFwdParams& params, Stream stream, Check
     // it, for both row counts (launch_kernel)
     const int limit = C::fwd_shared_bytes(wide_fits ? C::kFwdWideWarps : C::kFwdWarps);
     const SharedMemory smem{static_cast<size_t>(C::fwd_shared_bytes(slices)), static_cast<size_t>(limit)};
-    if constexpr (C::kFwdRowTiles > 1) {
+    if constexpr (sizeof(T) == 2) {
       if (decode) {
         constexpr int kBytes = decode_shared_bytes<T, kHeadDim>();
         check(launch_kernel(attention_decode_kernel<T, kHeadDim>, grid, dim3(32 * C::kFwdBlockN / 16),
                             SharedMemory{kBytes, kBytes}, stream, p));
-      } else if (plain) {
+      }
+    }
+    if constexpr (C::kFwdRowTiles > 1) {
+      if (plain && !decode) {
         check(launch_kernel(attention_fwd_kernel<T, kHeadDim, true>, grid, dim3(32 * slices / row_tiles), smem,
                             stream, p));
       }

@@ -11,7 +11,8 @@ namespace mha_ext::device {
   template __global__ void attention_bwd_kernel<T, D>(const AttentionBwdParams); \
   template __global__ void attention_bwd_dq_kernel<T, D>(const AttentionBwdParams);
 
-// the plain forward and decode kernels (launch.h's fwd_plain, fwd_decode): 16-bit types up to head dim 128
+// the plain forward and decode kernels (launch.h's fwd_plain, fwd_decode): 16-bit types up to head dim
+// 128 (the decode kernel at 256 too, below)
 #define MHA_PTX_INSTANTIATE_PLAIN(T, D) template __global__ void attention_fwd_kernel<T, D, true>(const AttentionFwdParams); \
   template __global__ void attention_decode_kernel<T, D>(const AttentionFwdParams);
 
@@ -20,6 +21,8 @@ MHA_PTX_INSTANTIATE_PLAIN(f16, 64)
 MHA_PTX_INSTANTIATE_PLAIN(f16, 128)
 MHA_PTX_INSTANTIATE_PLAIN(bf16, 64)
 MHA_PTX_INSTANTIATE_PLAIN(bf16, 128)
+template __global__ void attention_decode_kernel<f16, 256>(const AttentionFwdParams);
+template __global__ void attention_decode_kernel<bf16, 256>(const AttentionFwdParams);
 MHA_PTX_INSTANTIATE(f16, 64)
 MHA_PTX_INSTANTIATE(f16, 128)
 MHA_PTX_INSTANTIATE(f16, 256)
