@@ -189,11 +189,11 @@ bool fwd_decode(const AttentionFwdParams& p) {
          p.cu_seqlens_q == nullptr && !p.dropout.enabled() && !p.scalar_operands;
 }
 
-// The decode kernel's shared bytes: a 16-row Q tile and the K/V stages.
+// The decode kernel's shared bytes: a 16-row Q tile and the K/V stages, the
+// forward's layout for one 16-row slice (16-bit types keep P in registers).
 template <typename T, int kHeadDim>
 constexpr int decode_shared_bytes() {
-  using C = TileConfig<T, kHeadDim>;
-  return C::kElem * (16 + 2 * C::kFwdKVStages * C::kFwdBlockN) * C::kLd;
+  return TileConfig<T, kHeadDim>::fwd_shared_bytes(1);
 }
 static_assert(decode_shared_bytes<f16, 64>() == 39168 && decode_shared_bytes<f16, 128>() == 73984 &&
               decode_shared_bytes<bf16, 256>() == 76032);
