@@ -15,6 +15,7 @@
 #   bash scripts/gpu_session.sh [tests-s] [bench-s] [suite-s]     (suite-s 0: no suite)
 #   MHA_BENCH_ARGS="--only decode" bash scripts/gpu_session.sh ...  (arguments for bench_cuda.py)
 #   MHA_SUITE="tests/test_x.py ..." bash scripts/gpu_session.sh ...  (what the last stage runs; default: tests)
+#   MHA_NCU=0 bash scripts/gpu_session.sh ...                       (no ncu profiles: a short lease)
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}; mkdir -p "$out"
@@ -67,6 +68,7 @@ grep -m1 -A8 -E "received signal|exited|RuntimeError" "$out/throw_bt.txt" | cut 
 stamp "bench/bench_cuda.py --quick ${MHA_BENCH_ARGS:-}"
 timeout "$t_bench" python3 bench/bench_cuda.py --quick ${MHA_BENCH_ARGS:-} 2>&1 | grep -v Warning | tee "$out/bench_cuda.log"
 stamp "bench done"
+if [ "${MHA_NCU:-1}" != 0 ]; then
 stamp "ncu: one float16 forward and backward at head dim 128 (where the time goes inside the kernels)"
 # One profile, saved: its sections as text, then its per-SASS-instruction table (executed
 # instructions, stalls, excessive sectors of each line: which lines the backward's 13 instructions
@@ -113,6 +115,7 @@ with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
     F.scaled_dot_product_attention(q, k, v)
 torch.cuda.synchronize()" > "$out/ncu_l512.txt" 2>&1
 rc=$?; tail -5 "$out/ncu_l512.txt"; stamp "ncu L = 512 rc=$rc"
+fi
 [ "$t_suite" = 0 ] && exit 0
 stamp "whole suite (-n 14; the transformers models and the wheel test need what the machine lacks)"
 timeout "$t_suite" python3 -m pytest -q -p no:cacheprovider -n 14 -rfE ${MHA_SUITE:-tests} \
