@@ -61,7 +61,28 @@ cxx_flags = ["-O3", "-fopenmp", "-fvisibility=hidden", "-Wall", "-std=c++20"]
 # does not match the facets of the process's runtime, and integers formatted
 # into an error message stop the message (g++ 12 here) or crash (seen on a GPU
 # machine's image when a C++ input check threw).
-link_flags = ["-fopenmp", "-Wl,--push-state,-Bdynamic", "-lstdc++", "-Wl,--pop-state"]
+# On one GPU image even that was not enough: its compiler's search path held
+# only the static archive, and the library came out with no libstdc++.so.6
+# needed at all. So the file itself is named where it can be found: the
+# libstdc++.so.6 this process (and torch) runs on.
+
+
+def _shared_libstdcxx():
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so") and os.path.isfile(path):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+_stdcxx = _shared_libstdcxx()
+link_flags = ["-fopenmp", "-Wl,--push-state,-Bdynamic,--no-as-needed",
+              _stdcxx if _stdcxx else "-lstdc++", "-Wl,--pop-state"]
+print(f"mha_ext: C++ runtime {_stdcxx or '-lstdc++'}", flush=True)
 if with_cuda:
     # SASS for sm_80 and sm_90, and sm_90 PTX that newer GPUs can compile
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
