@@ -350,7 +350,9 @@ MHA_KERNEL attention_bwd_dq_kernel(const AttentionBwdParams params) {
   const AttentionBwdParams p = sequence_params<T, A>(params, b);  // params itself unless varlen
   const A scale = static_cast<A>(p.scale);
   const bool scalar = p.scalar_operands;  // operands by plain loads (launch.h)
-  const int64_t i0 = static_cast<int64_t>(block_idx().y) * kB;
+  // the last query block first (grid y, after every head of a block): under a
+  // causal mask it has the most key tiles, so the blocks that start last are short
+  const int64_t i0 = static_cast<int64_t>(grid_dim().y - 1 - block_idx().y) * kB;
   const int64_t L = p.len_q, S = p.len_kv, E = p.head_dim, Ev = p.head_dim_v;
   if (i0 >= L) return;  // a block past a shorter sequence's rows (varlen)
 

@@ -51,10 +51,12 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   if (bh >= params.batch * params.heads_q) return;  // the last z slice's spare blocks
   const int64_t b = bh / params.heads_q, h = bh % params.heads_q, hk = h / params.group_size();
   const AttentionFwdParams p = sequence_params<T, A>(params, b);  // params itself unless varlen
-  // x: the query block, then the key split (kv_splits runs of the grid's query blocks)
+  // x: the query block, then the key split (kv_splits runs of the grid's query
+  // blocks); the last query block first: under a causal mask it has the most
+  // key tiles, and the blocks that start last are then the short ones
   const unsigned q_blocks = static_cast<unsigned>((params.len_q + kM - 1) / kM);
   const unsigned split = block_idx().x / q_blocks;
-  const int64_t i0 = static_cast<int64_t>(block_idx().x % q_blocks) * kM;
+  const int64_t i0 = static_cast<int64_t>(q_blocks - 1 - block_idx().x % q_blocks) * kM;
   const int64_t L = p.len_q, S = p.len_kv;
   if (i0 >= L) return;  // a block past a shorter sequence's rows (varlen)
   const A rescale = static_cast<A>(p.dropout.rescale);
