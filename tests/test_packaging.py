@@ -3,7 +3,15 @@ of the tracked sources gives a wheel (metadata from pyproject.toml, both
 packages, the compiled library) that installs into a fresh venv and passes a
 smoke test there. The fresh venv gets this environment's torch through a .pth
 line (the same torch, without a second multi-GB install); mha_ext must import
-from the venv's own site-packages, not from this checkout."""
+from the venv's own site-packages, not from this checkout.
+
+The wheel is built by a hostile toolchain, as a GPU machine's image had: its
+compiler links the C++ runtime statically (-static-libstdc++) and its search
+path holds only libstdc++.a. A library built so held its own copy of the
+stream code, and C++ error messages with integers were cut (here) or crashed
+(there); setup.py links the shared libstdc++.so.6 by its path, and the smoke
+test checks a message with integers whole and the stream code imported. (The
+suite itself runs on the normal toolchain's build.)"""
 import os
 import subprocess
 import sys
@@ -21,8 +29,34 @@ ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 out.sum().backward()
 assert torch.isfinite(q.grad).all()
+# a C++ check's message with integers in it, whole
+q0 = torch.randn(1, 2, 10, 8)
+try:
+    torch.ops.mha_ext.attention(q0, q0, q0, None, 0.2, False, None, False, torch.tensor([1, 2, 9, 0, 0]))
+    raise AssertionError("the bad rng_state was accepted")
+except RuntimeError as e:
+    assert "and rows >= row0 + 10 (the query length), got (9, 0, 0)" in str(e), str(e)
 print("smoke ok", mha_ext.library_path)
 """
+
+# A compiler that links the C++ runtime statically, from a folder that holds
+# only the archive (first on the library path)
+HOSTILE_CXX = """#!/bin/sh
+case " $* " in *" -shared "*) exec g++ -L{archive_dir} -static-libstdc++ "$@";; esac
+exec g++ "$@"
+"""
+
+
+def _hostile_toolchain(tmp_path):
+    archive = _run(["g++", "-print-file-name=libstdc++.a"]).strip()
+    assert os.path.isabs(archive), f"g++ has no libstdc++.a to link statically (libstdc++-dev): {archive!r}"
+    archive_dir = tmp_path / "static_only"
+    archive_dir.mkdir()
+    os.symlink(archive, archive_dir / "libstdc++.a")
+    cxx = tmp_path / "static-g++"
+    cxx.write_text(HOSTILE_CXX.format(archive_dir=archive_dir))
+    cxx.chmod(0o755)
+    return str(cxx)
 
 
 def _run(cmd, **kw):
@@ -39,7 +73,8 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.write_bytes(open(os.path.join(ROOT, f), "rb").read())
     # CPU only: the packaging is the same with the CUDA build, which takes longer
-    env = dict(os.environ, USE_CUDA="0", MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+    cxx = _hostile_toolchain(tmp_path)
+    env = dict(os.environ, USE_CUDA="0", MAX_JOBS=os.environ.get("MAX_JOBS", "2"), CC=cxx, CXX=cxx)
     _run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w", str(tmp_path / "dist"),
           str(src)], env=env)
     (wheel,) = list((tmp_path / "dist").glob("mha_ext-*.whl"))
@@ -60,3 +95,9 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
     _run([py, "-m", "pip", "install", "-q", "--no-deps", str(wheel)])
     out = _run([py, "-c", SMOKE], cwd=str(tmp_path))
     assert "smoke ok" in out and str(venv) in out
+    # std::ostream::_M_insert<long> imported ("U"), not a private copy in the library
+    library = out.split()[-1]
+    symbols = _run(["nm", "-D", library])
+    insert_long = [f[-2] for f in map(str.split, symbols.splitlines())
+                   if f and f[-1].split("@")[0] == "_ZNSo9_M_insertIlEERSoT_"]
+    assert insert_long == ["U"], insert_long
