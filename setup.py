@@ -71,7 +71,9 @@ def _shared_libstdcxx():
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
-                path = line.split()[-1]
+                # address perms offset dev inode path (the path may hold spaces)
+                fields = line.rstrip("\n").split(None, 5)
+                path = fields[5] if len(fields) == 6 else ""
                 if os.path.basename(path).startswith("libstdc++.so") and os.path.isfile(path):
                     return path
     except OSError:

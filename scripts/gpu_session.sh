@@ -55,8 +55,8 @@ stamp "C++ input checks that throw on the CPU path (crashed on these images whil
 # one process a file, no xdist, faulthandler on: a crash names its test in session.log (under xdist a
 # crashed worker is replaced slowly, the stage ran out of time and the names were lost)
 for f in tests/test_errors.py tests/test_bad_inputs.py tests/test_dropin.py; do
-  timeout 60 python3 -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist -rfE "$f" 2>&1 |
-    grep -v "^  File \"/opt\|^  File \"/usr\|^Extension modules" | tail -25
+  timeout 60 python3 -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist -o faulthandler_timeout=50 \
+    -rfE "$f" 2>&1 | grep -v "site-packages\|dist-packages\|^Extension modules" | tail -25
   stamp "input checks $f rc=${PIPESTATUS[0]}"
 done
 stamp "the C++ runtime: the library must take libstdc++'s stream code from libstdc++.so (a static copy cut or crashed messages)"

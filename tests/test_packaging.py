@@ -13,6 +13,7 @@ stream code, and C++ error messages with integers were cut (here) or crashed
 test checks a message with integers whole and the stream code imported. (The
 suite itself runs on the normal toolchain's build.)"""
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -42,19 +43,21 @@ print("smoke ok", mha_ext.library_path)
 # A compiler that links the C++ runtime statically, from a folder that holds
 # only the archive (first on the library path)
 HOSTILE_CXX = """#!/bin/sh
-case " $* " in *" -shared "*) exec g++ -L{archive_dir} -static-libstdc++ "$@";; esac
-exec g++ "$@"
+case " $* " in *" -shared "*) exec '{cxx}' -L'{archive_dir}' -static-libstdc++ "$@";; esac
+exec '{cxx}' "$@"
 """
 
 
 def _hostile_toolchain(tmp_path):
-    archive = _run(["g++", "-print-file-name=libstdc++.a"]).strip()
+    real = shutil.which("g++")
+    assert real, "the packaging test builds with g++ (the suite's compiler), and none is on PATH"
+    archive = _run([real, "-print-file-name=libstdc++.a"]).strip()
     assert os.path.isabs(archive), f"g++ has no libstdc++.a to link statically (libstdc++-dev): {archive!r}"
     archive_dir = tmp_path / "static_only"
     archive_dir.mkdir()
     os.symlink(archive, archive_dir / "libstdc++.a")
     cxx = tmp_path / "static-g++"
-    cxx.write_text(HOSTILE_CXX.format(archive_dir=archive_dir))
+    cxx.write_text(HOSTILE_CXX.format(cxx=real, archive_dir=archive_dir))
     cxx.chmod(0o755)
     return str(cxx)
 
