@@ -23,6 +23,9 @@ synchronised): what the first session with a GPU runs.
    merged by logsumexp) and 1 (one block a head), MHA_EXT_CUDA_DECODE=off
    (the plain kernel instead of the decode kernel), torch's flash and
    memory-efficient backends, and K/V bytes read per second.
+4. A decode step's key splits swept (auto, 1, 2, 4 ... 64) at 32k keys, the
+   same shapes, each call synchronised and 20 calls queued with one wait (the
+   GPU's own time a call where it, not the host, is the slower side).
 
 Attention FLOPs = 4 B H L S E (forward), halved for causal; backward counted
 as 2.5x forward. Writes markdown to bench/out/cuda.md and prints it.
@@ -229,6 +232,42 @@ def decode(device, dtypes, lengths, reps, times):
     return f"Copy bandwidth (read + write of {n >> 20} MiB): {copy_gbs:.0f} GB/s.\n\n" + table(head, rows)
 
 
+def queued_times(fns, reps, device, calls=20):
+    """Median time a call of each fn with `calls` calls queued back to back and
+    one wait at the end: the GPU's own time a call where it is the slower side
+    (a synchronised call also counts the host's launch work and the wait)."""
+    def queued(fn):
+        def go():
+            for _ in range(calls):
+                fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return go
+    return [t / calls for t in median_times([queued(fn) for fn in fns], reps)]
+
+
+SWEEP_SPLITS = ("auto", "1", "2", "4", "8", "16", "32", "64")
+
+
+def split_sweep(device, dt, S, reps, times):
+    """Table 4: a decode step's key splits swept (MHA_EXT_CUDA_KV_SPLITS), one
+    query row against S keys, each call synchronised and 20 calls queued."""
+    rows = []
+    for B in (1, 8):
+        for hq, hkv, E in ((32, 8, 128), (12, 12, 64)):
+            torch.manual_seed(0)
+            q = torch.randn(B, hq, 1, E, dtype=dt, device=device)
+            k, v = (torch.randn(B, hkv, S, E, dtype=dt, device=device) for _ in range(2))
+            ours = lambda *a, **kw: mha_ext.scaled_dot_product_attention(*a, **kw, enable_gqa=hq != hkv)  # noqa: E731
+            fns = [step(ours, q, k, v, None, False, False, None, {"MHA_EXT_CUDA_KV_SPLITS": val}) for val in SWEEP_SPLITS]
+            for how, t in (("synchronised", times(fns, reps)), ("queued", queued_times(fns, reps, device))):
+                row = [str(dt).replace("torch.", ""), B, f"{hq}, {hkv}, {E}", S, how] + [f"{x * 1e3:.3f}" for x in t]
+                rows.append(row)
+                print(" | ".join(map(str, row)), flush=True)
+    head = ["dtype", "B", "Hq, Hkv, D", "S", "timing"] + [f"ms splits {val}" for val in SWEEP_SPLITS]
+    return table(head, rows)
+
+
 def times_or_nan(times, fns, reps):
     """times of fns, NaN for one that raises (a torch backend that does not
     take the case, such as flash with GQA in some torch versions)."""
@@ -258,7 +297,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="run on the CPU with tiny sizes (checks the script)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--only", choices=["torch", "switches", "decode"], help="one table alone")
+    ap.add_argument("--only", choices=["torch", "switches", "decode", "splits"], help="one table alone")
     ap.add_argument("--gflop", type=float, default=200.0, help="forward work per case, picks the batch")
     args = ap.parse_args()
     if args.dry_run:
@@ -286,6 +325,9 @@ def main():
     if want("decode"):
         lines += ["## Decoding: one query row, key splits on and off", "",
                   decode(device, dtypes, [64, 300] if args.dry_run else [2048, 8192, 32768], reps, times), ""]
+    if want("splits"):
+        lines += ["## Decoding: key splits swept", "",
+                  split_sweep(device, dtypes[0], 300 if args.dry_run else 32768, reps, times), ""]
     write_report("cuda.md", lines)
 
 
