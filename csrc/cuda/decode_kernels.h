@@ -76,7 +76,6 @@ MHA_KERNEL MHA_LAUNCH_BOUNDS((2 * TileConfig<T, kHeadDim>::kFwdBlockN), kHeadDim
   // (at 256 they and O would take 192 registers: loaded each tile there)
   constexpr bool kQInRegisters = kHeadDim <= 128;
   uint32_t qa[kQInRegisters ? kKT : 1][4];
-  bool q_loaded = false;
   // the key tiles some row of the block may see; with key splits this split's run of them
   const int64_t vis_end = p.variant.end(i_last, S);
   const int64_t vis_first = p.variant.begin(i0) / kN * kN;
@@ -94,11 +93,10 @@ MHA_KERNEL MHA_LAUNCH_BOUNDS((2 * TileConfig<T, kHeadDim>::kFwdBlockN), kHeadDim
   };
   stream_tiles<kStages>(j_first, kv_end, kN, issue, [&](int64_t j0, int stage) {
     const int r8 = lane % 8, m_lo = (lane / 8) % 2, m_hi = lane / 16;
-    if (kQInRegisters && !q_loaded) {  // Q landed with the first tile's wait
+    if (kQInRegisters && j0 == j_first) {  // Q landed with the first tile's wait
 MHA_UNROLL
       for (int kk = 0; kk < (kQInRegisters ? kKT : 0); ++kk)
         ldmatrix_x4(qa[kk], q_s + (r8 + 8 * m_lo) * kLd + 16 * kk + 8 * m_hi);
-      q_loaded = true;
     }
     const T* k_s = kv_s + 2 * stage * kN * kLd + 16 * warp * kLd;  // this warp's 16 keys
     const T* v_s = kv_s + (2 * stage + 1) * kN * kLd + 16 * warp * kLd;
