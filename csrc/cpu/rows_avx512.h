@@ -59,8 +59,8 @@ inline void fetch_rows_l2(const void* first, int64_t stride, int64_t rows, int64
 // cache, whose rows (one every H D elements) the hardware prefetcher does
 // not follow (spread rather than all at once before the block: 16 query rows
 // a key/value head, 32 x 8 x 128 heads: float32 1.05-1.18x, bfloat16
-// 1.14-1.31x); and the page-ahead fetch of float32 rows longer than
-// kRowAheadBytes (PageFetch::first_pass).
+// 1.14-1.31x); and the page-ahead fetch of rows of more than
+// kPerRowColumns columns (PageFetch::first_pass).
 template <int kHint = _MM_HINT_T1>
 struct RowFetch {
   const char* row = nullptr;
@@ -89,20 +89,24 @@ struct RowFetch {
 // bfloat16 K/V 1.7x and float32 1.3x faster (AMD EPYC family 26, the README,
 // "Decoding on a newer CPU"). Into L1 did better than into L2, 2-16 KiB ahead
 // within noise of each other. Called at each key with its row, in one of two
-// forms, each the better of the two where measured (docs/performance.md, "Decoding";
-// float32 at 64 and 128 columns, 16-bit rows against the block's lines at
-// once, the former burst):
-// - bfloat16 / float16 rows, and float32 rows of up to kRowAheadBytes, fetch
-//   their own bytes at the row (`bytes`): the block's lines issued at its
-//   start left a one-row bfloat16 decode at 40% of the streaming read in
-//   one VM state (94% in another), and float32 rows of 64 columns ran 1.14x
-//   in the caches against the spread form (1.01-1.03x from memory);
-// - longer float32 rows take the block's lines a few at each key (`block`,
-//   a RowFetch over them; the routines keep a local copy of it, in
-//   registers): at 128 columns 1.03-1.10x the per-row form from memory
-//   (0.92x where the keys stay in the caches).
+// forms, each the better of the two where measured (docs/performance.md,
+// "Decoding"; rows of 64 and 128 columns, 16-bit rows against the block's
+// lines at once, the former burst):
+// - rows of up to kPerRowColumns columns fetch their own bytes at the row
+//   (`bytes`): the block's lines issued at its start left a one-row
+//   bfloat16 decode at 40% of the streaming read in one VM state (94% in
+//   another), and float32 rows of 64 columns ran 1.14x in the caches
+//   against the spread form (1.01-1.03x from memory); 16-bit rows of 64
+//   columns 0.94-1.01x from memory (AMD EPYC family 25);
+// - longer rows take the block's lines a few at each key (`block`, a
+//   RowFetch over the same lines; the routines keep a local copy of it, in
+//   registers): float32 at 128 columns 1.03-1.10x the per-row form from
+//   memory (0.92x where the keys stay in the caches); bfloat16 on
+//   AVX512-BF16 at 128 columns 1.10-1.25x from memory with one or two query
+//   rows of 32 x 8 heads (AMD EPYC family 25), 0.94x where a batch's 8 MiB
+//   stay in the caches; float16 1.00x.
 constexpr int64_t kFetchAhead = 4096;
-constexpr int64_t kRowAheadBytes = 256;
+constexpr int64_t kPerRowColumns = 64;
 struct PageFetch {
   int64_t bytes = 0;                         // of each row, or 0
   RowFetch<_MM_HINT_T0> block;               // or the block's lines (empty by default)
@@ -112,11 +116,11 @@ struct PageFetch {
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
   }
   // The fetch of a block's (chunk's) first pass over `rows` adjacent rows
-  // `stride` bytes apart from `first`, row_bytes of each read (float32:
-  // whether the rows are float32), in the form above.
-  static PageFetch first_pass(const void* first, int64_t stride, int64_t row_bytes, int64_t rows, bool float32) {
+  // `stride` bytes apart from `first` (rows of elements of elem_bytes),
+  // row_bytes of each read, in the form above.
+  static PageFetch first_pass(const void* first, int64_t stride, int64_t row_bytes, int64_t rows, int64_t elem_bytes) {
     PageFetch f;
-    if (float32 && stride > kRowAheadBytes)
+    if (stride > kPerRowColumns * elem_bytes)
       f.block = RowFetch<_MM_HINT_T0>(static_cast<const char*>(first) + kFetchAhead, stride, row_bytes, 0,
                                       rows * ((row_bytes + 63) / 64), rows);
     else

@@ -209,7 +209,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
     int64_t ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16);  // rows of the next block
     const int64_t row_bytes = E * static_cast<int64_t>(sizeof(*k));
     // the first pass's page-ahead fetch; later passes take none
-    const PageFetch page = adjacent ? PageFetch::first_pass(k + c0 * ldk, row_bytes, row_bytes, nc, kKind == 0)
+    const PageFetch page = adjacent ? PageFetch::first_pass(k + c0 * ldk, row_bytes, row_bytes, nc, sizeof(*k))
                                     : PageFetch(),
                     none;
     if (!adjacent && !spread)
@@ -456,7 +456,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
       const bool spread = ldv != Ev && (rb0 == 4 || rb0 == 2);
       // the first pass's page-ahead fetch; later passes take none
       const PageFetch page =
-                          ldv == Ev ? PageFetch::first_pass(vc, ldv_bytes, cols * elem, nj, kKind == 0) : PageFetch(),
+                          ldv == Ev ? PageFetch::first_pass(vc, ldv_bytes, cols * elem, nj, elem) : PageFetch(),
                       none;
       if (ldv != Ev && !spread) {
         fetch_rows_l2(vc + kValueKeys * ldv_bytes, ldv_bytes, std::exchange(ahead, 0), cols * elem);
