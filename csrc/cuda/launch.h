@@ -143,6 +143,16 @@ inline Fp32Math fp32_math_requested() {
   return tf32 ? Fp32Math::kTf32 : Fp32Math::kCudaCores;
 }
 
+// MHA_EXT_CUDA_FWD_WARP_ROWS, read once a launch: "auto" where unset.
+inline std::string fwd_warp_rows_setting() {
+  const char* v = std::getenv("MHA_EXT_CUDA_FWD_WARP_ROWS");
+  const std::string mode = v == nullptr ? "auto" : v;
+  if (mode != "auto" && mode != "16" && mode != "32")
+    throw std::invalid_argument("MHA_EXT_CUDA_FWD_WARP_ROWS must be \"auto\", \"16\" or \"32\", got \"" + mode +
+                                "\"");
+  return mode;
+}
+
 // Whether a forward call runs the plain kernel (attention_fwd_kernel's
 // kPlain: warps of 32 query rows, two row tiles sharing every K and V
 // fragment the warp loads): a call without a mask tensor, dropout, softcap,
@@ -158,13 +168,8 @@ inline Fp32Math fp32_math_requested() {
 // window, a block's runs follow its own visible tiles, which differ with
 // its rows: the last bits may differ there as with MHA_EXT_CUDA_FWD_ROWS).
 template <typename T, int kHeadDim>
-bool fwd_plain(const AttentionFwdParams& p) {
-  const char* v = std::getenv("MHA_EXT_CUDA_FWD_WARP_ROWS");
-  const std::string mode = v == nullptr ? "auto" : v;
-  if (mode != "auto" && mode != "16" && mode != "32")
-    throw std::invalid_argument("MHA_EXT_CUDA_FWD_WARP_ROWS must be \"auto\", \"16\" or \"32\", got \"" + mode +
-                                "\"");
-  return TileConfig<T, kHeadDim>::kFwdRowTiles > 1 && mode != "16" && p.mask_kind == MaskKind::kNone &&
+bool fwd_plain(const AttentionFwdParams& p, const std::string& warp_rows) {
+  return TileConfig<T, kHeadDim>::kFwdRowTiles > 1 && warp_rows != "16" && p.mask_kind == MaskKind::kNone &&
          !p.dropout.enabled() && !p.variant.changes_scores() && p.block_table == nullptr && !p.scalar_operands;
 }
 
@@ -178,14 +183,12 @@ bool fwd_plain(const AttentionFwdParams& p) {
 // plain or general kernel, as before). Its rows' bits differ from theirs in
 // the last places (its sums run per warp, then merge).
 template <typename T, int kHeadDim>
-bool fwd_decode(const AttentionFwdParams& p) {
+bool fwd_decode(const AttentionFwdParams& p, const std::string& warp_rows) {
   const char* v = std::getenv("MHA_EXT_CUDA_DECODE");
   const std::string mode = v == nullptr ? "auto" : v;
   if (mode != "auto" && mode != "off")
     throw std::invalid_argument("MHA_EXT_CUDA_DECODE must be \"auto\" or \"off\", got \"" + mode + "\"");
-  const char* w = std::getenv("MHA_EXT_CUDA_FWD_WARP_ROWS");
-  const bool rows_named = w != nullptr && std::string(w) != "auto";
-  return sizeof(T) == 2 && mode == "auto" && !rows_named && p.len_q <= 16 &&
+  return sizeof(T) == 2 && mode == "auto" && warp_rows == "auto" && p.len_q <= 16 &&
          p.cu_seqlens_q == nullptr && !p.dropout.enabled() && !p.scalar_operands;
 }
 
@@ -299,8 +302,9 @@ void launch_attention_fwd(const AttentionFwdParams& params, Stream stream, Check
     // 128-row tiles exist (16-bit types) and the GPU holds them: one device query a launch
     const bool wide_fits =
         C::kFwdWideWarps != C::kFwdWarps && C::fwd_shared_bytes(C::kFwdWideWarps) <= max_shared_per_block();
-    const bool plain = fwd_plain<T, kHeadDim>(p);
-    const bool decode = fwd_decode<T, kHeadDim>(p);
+    const std::string warp_rows = fwd_warp_rows_setting();
+    const bool plain = fwd_plain<T, kHeadDim>(p, warp_rows);
+    const bool decode = fwd_decode<T, kHeadDim>(p, warp_rows);
     const int row_tiles = plain ? C::kFwdRowTiles : 1;  // a warp's 16-row tiles
     const int rows_slices = fwd_slices<T, kHeadDim>(p.len_q, wide_fits, row_tiles);  // (checks its setting too)
     const int slices = decode ? 1 : rows_slices;
