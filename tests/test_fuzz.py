@@ -36,7 +36,7 @@ def test_fuzz_cpu(chunk):
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_fuzz_cuda_emulation(chunk):
-    from test_cuda_emul import _load_emulation
+    from cuda_backends import _load_emulation
 
     emul = _load_emulation()
     for seed in _seeds(EMUL_CASES, chunk):

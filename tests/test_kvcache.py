@@ -128,7 +128,7 @@ def test_kvcache_past_the_caches(name, dtype, hq, L):
     "emul", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 def device_backend(request):
     """The CUDA backend's KV-cache op: emulated on the CPU, or on a GPU."""
-    from test_cuda_emul import OnCuda, _load_emulation
+    from cuda_backends import OnCuda, _load_emulation
 
     return _load_emulation() if request.param == "emul" else OnCuda()
 
@@ -163,7 +163,7 @@ def test_kvcache_cuda_forward_warp_layouts_are_bit_identical(device_backend, nam
     # each batch's keys from its own cache_seqlens; the same bits in both
     # (their values against the reference:
     # test_kvcache_cuda_backend_matches_reference)
-    from test_cuda_emul import OnCuda, forward_threads
+    from cuda_backends import OnCuda, forward_threads
 
     variant = VARIANTS[name]
     for env in ("MHA_EXT_CUDA_FWD_ROWS", "MHA_EXT_CUDA_OPERANDS", "MHA_EXT_CUDA_KV_SPLITS"):

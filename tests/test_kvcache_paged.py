@@ -74,7 +74,7 @@ def test_paged_kvcache_matches_reference(dtype, name, L):
     "emul", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 def device_backend(request):
     """The CUDA backend's KV-cache op: emulated on the CPU, or on a GPU."""
-    from test_cuda_emul import OnCuda, _load_emulation
+    from cuda_backends import OnCuda, _load_emulation
 
     return _load_emulation() if request.param == "emul" else OnCuda()
 

@@ -227,7 +227,7 @@ def test_variant_errors_eager_and_fake_say_the_same(kwargs, message):
 
 @pytest.fixture(scope="module")
 def emul():
-    from test_cuda_emul import _load_emulation
+    from cuda_backends import _load_emulation
 
     return _load_emulation()
 
@@ -243,7 +243,7 @@ def test_variant_on_emulated_cuda_backend_matches_reference(emul, name, dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", list(CASES))
 def test_variant_on_cuda_matches_reference(name):
-    from test_cuda_emul import OnCuda
+    from cuda_backends import OnCuda
 
     check_against_reference(OnCuda(), name, torch.float16)
 

@@ -136,7 +136,7 @@ def test_varlen_dropout_matches_reference(name):
     "emul", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 def device_backend(request):
     """The CUDA backend's varlen ops: emulated on the CPU, or on a GPU."""
-    from test_cuda_emul import OnCuda, _load_emulation
+    from cuda_backends import OnCuda, _load_emulation
 
     return _load_emulation() if request.param == "emul" else OnCuda()
 
@@ -155,7 +155,7 @@ def test_varlen_cuda_forward_warp_layouts_are_bit_identical(device_backend, name
     # (read from the emulation's launch log); each sequence's rows the same
     # bits in both (their values against the reference:
     # test_varlen_cuda_backend_matches_reference)
-    from test_cuda_emul import OnCuda, forward_threads
+    from cuda_backends import OnCuda, forward_threads
 
     q, k, v, cq, ck, slopes, kw = _build(name, torch.bfloat16)
     go = torch.randn(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64).to(torch.bfloat16)

@@ -1,7 +1,7 @@
 // Test library: the CUDA backend's host functions and kernels, compiled for
 // the CPU emulation of the CUDA primitives (csrc/cuda/simt_emul.h) and
 // registered as torch.ops.mha_ext_emul.attention / attention_backward (and the varlen and KV-cache ops) on CPU
-// tensors, with the schemas of the real ops. tests/test_cuda_emul.py builds it
+// tensors, with the schemas of the real ops. tests/cuda_backends.py builds it
 // and holds its results to the CPU backend.
 #define MHA_SIMT_EMULATION 1
 #define MHA_SCALAR_OPERANDS 1  // test_emul_scalar_operands_give_the_ldmatrix_results compares both paths
