@@ -22,6 +22,7 @@ import reference as R
 from cuda_backends import (DTYPES, NO_RNG, ROOT, SHAPES, OnCuda, _err, assert_all_like_cpu,  # noqa: F401
                            backend, forward_block, make, references)
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("is_causal", [False, True])

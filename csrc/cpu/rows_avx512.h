@@ -96,15 +96,16 @@ struct RowFetch {
 //   (`bytes`): the block's lines issued at its start left a one-row
 //   bfloat16 decode at 40% of the streaming read in one VM state (94% in
 //   another), and float32 rows of 64 columns ran 1.14x in the caches
-//   against the spread form (1.01-1.03x from memory); 16-bit rows of 64
-//   columns 0.94-1.01x from memory (AMD EPYC family 25);
+//   against the spread form (1.01-1.03x from memory); bfloat16 rows of 64
+//   columns ran the spread form at 0.96-1.15x from memory, run to run
+//   (AMD EPYC family 25), not enough to move them;
 // - longer rows take the block's lines a few at each key (`block`, a
 //   RowFetch over the same lines; the routines keep a local copy of it, in
 //   registers): float32 at 128 columns 1.03-1.10x the per-row form from
 //   memory (0.92x where the keys stay in the caches); bfloat16 on
-//   AVX512-BF16 at 128 columns 1.10-1.25x from memory with one or two query
-//   rows of 32 x 8 heads (AMD EPYC family 25), 0.94x where a batch's 8 MiB
-//   stay in the caches; float16 1.00x.
+//   AVX512-BF16 at 128 columns 1.09-1.20x from memory with one or two query
+//   rows of 32 x 8 heads (AMD EPYC family 25), 0.95x where a batch's 8 MiB
+//   stay in the caches; float16 0.99-1.01x.
 constexpr int64_t kFetchAhead = 4096;
 constexpr int64_t kPerRowColumns = 64;
 struct PageFetch {
