@@ -6,6 +6,7 @@ TORCH_CUDA_ARCH_LIST is honoured (default "8.0;9.0"). MAX_JOBS caps the
 parallel compile jobs. The decision is printed.
 """
 import glob
+import importlib.util
 import os
 import shutil
 
@@ -55,36 +56,15 @@ print(f"mha_ext: building {'CPU + CUDA' if with_cuda else 'CPU only'} ({why})", 
 # may disagree on inline code and layouts (a build against torch 2.11 crashed
 # where a C++ check threw).
 cxx_flags = ["-O3", "-fopenmp", "-fvisibility=hidden", "-Wall", "-std=c++20"]
-# The C++ runtime from the shared libstdc++ that torch itself uses, named before
-# the driver's own -lstdc++: where a toolchain or LDFLAGS links it statically
-# (-static-libstdc++), the library's private copy of the stream and locale code
-# does not match the facets of the process's runtime, and integers formatted
-# into an error message stop the message (g++ 12 here) or crash (seen on a GPU
-# machine's image when a C++ input check threw).
-# On one GPU image even that was not enough: its compiler's search path held
-# only the static archive, and the library came out with no libstdc++.so.6
-# needed at all. So the file itself is named where it can be found: the
-# libstdc++.so.6 this process (and torch) runs on.
-
-
-def _shared_libstdcxx():
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                # address perms offset dev inode path (the path may hold spaces)
-                fields = line.rstrip("\n").split(None, 5)
-                path = fields[5] if len(fields) == 6 else ""
-                if os.path.basename(path).startswith("libstdc++.so") and os.path.isfile(path):
-                    return path
-    except OSError:
-        pass
-    return None
-
-
-_stdcxx = _shared_libstdcxx()
-link_flags = ["-fopenmp", "-Wl,--push-state,-Bdynamic,--no-as-needed",
-              _stdcxx if _stdcxx else "-lstdc++", "-Wl,--pop-state"]
-print(f"mha_ext: C++ runtime {_stdcxx or '-lstdc++'}", flush=True)
+# The C++ runtime: the shared libstdc++ that torch itself uses, by its path
+# (mha_ext/_cxx_runtime.py says why; read by path, as the package cannot be
+# imported before its library is built).
+_spec = importlib.util.spec_from_file_location(
+    "mha_ext_cxx_runtime", os.path.join(ROOT, "mha_ext", "_cxx_runtime.py"))
+_cxx_runtime = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_cxx_runtime)
+link_flags = ["-fopenmp"] + _cxx_runtime.link_flags()
+print(f"mha_ext: C++ runtime {_cxx_runtime.shared_libstdcxx() or '-lstdc++'}", flush=True)
 if with_cuda:
     # SASS for sm_80 and sm_90, and sm_90 PTX that newer GPUs can compile
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")

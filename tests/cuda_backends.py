@@ -26,10 +26,16 @@ DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 NO_RNG = torch.zeros(2, dtype=torch.long)
 
 
+# The emulated backend's library, built by _load_emulation
+EMUL_LIBRARY = os.path.join(ROOT, "build", "emul_ext", "mha_ext_emul.so")
+
+
 def _load_emulation():
     from torch.utils.cpp_extension import load
 
-    build = os.path.join(ROOT, "build", "emul_ext")
+    from mha_ext._cxx_runtime import link_flags
+
+    build = os.path.dirname(EMUL_LIBRARY)
     os.makedirs(build, exist_ok=True)
     # load() rebuilds when sources or flags change; the headers are the code
     # under test, so their digest goes into the flags.
@@ -40,6 +46,9 @@ def _load_emulation():
          sources=[os.path.join(ROOT, "tests", "emul", "attention_emul.cpp"), os.path.join(ROOT, "csrc", "checks.cpp")],
          extra_cflags=["-O1", "-std=c++20", "-DMHA_SIMT_EMULATION", "-Wall", "-Werror",
                        f"-DMHA_EMUL_HEADERS={digest.hexdigest()[:12]}"],
+         # the shared C++ runtime, as the library's own link line names it: with a
+         # static copy (a GPU image's compiler) the emulation's checks crashed
+         extra_ldflags=link_flags(),
          build_directory=build, is_python_module=False, verbose=False)
     return torch.ops.mha_ext_emul
 

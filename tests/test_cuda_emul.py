@@ -19,8 +19,9 @@ import torch
 
 import mha_ext  # noqa: F401  (registers torch.ops.mha_ext)
 import reference as R
-from cuda_backends import (DTYPES, NO_RNG, ROOT, SHAPES, OnCuda, _err, assert_all_like_cpu,  # noqa: F401
-                           backend, forward_block, make, references)
+from cuda_backends import (DTYPES, EMUL_LIBRARY, NO_RNG, ROOT, SHAPES, OnCuda, _err,  # noqa: F401
+                           _load_emulation, assert_all_like_cpu, backend, forward_block, make, references)
+from cxx_runtime import insert_long_kinds
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -369,6 +370,14 @@ def test_emul_head_dim_limit_is_a_clear_error(backend):
     q = torch.randn(1, 1, 4, 264)
     with pytest.raises(RuntimeError, match=r"head dims up to 256, got E = 264, Ev = 264"):
         backend.attention(q, q, q)
+
+
+def test_emul_library_takes_the_shared_cpp_runtime():
+    # built at test time by the compiler the machine has: a GPU image's linked
+    # libstdc++ statically, and every check whose message holds an integer
+    # (head dim 264 above) crashed the process
+    _load_emulation()
+    assert insert_long_kinds(EMUL_LIBRARY) == ["U"]
 
 
 def test_emul_device_code_reaches_hardware_only_through_simt():

@@ -1,8 +1,6 @@
 """Bad input gets a clear error naming the argument with expected vs got, the
 same words from the C++ op (eager) and from the fake kernel (compile/export)."""
 import re
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -10,6 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mha_ext
 from conftest import DEVICES
+from cxx_runtime import insert_long_kinds
 
 
 def t(*shape, dtype=torch.float32):
@@ -143,10 +142,4 @@ def test_integers_in_a_cpp_message_and_the_shared_cpp_runtime():
     assert str(e.value).startswith(
         "rng_state's dropout frame (rows, row0, col0) must have row0 >= 0, col0 >= 0 and rows >= row0 + 10 "
         "(the query length), got (9, 0, 0)")
-    nm = shutil.which("nm")
-    assert nm, "binutils' nm is needed to read the library's symbols"
-    symbols = subprocess.run([nm, "-D", mha_ext.library_path], capture_output=True, text=True, check=True).stdout
-    # (kind, name) of std::ostream::_M_insert<long>: "U", undefined here, imported
-    insert_long = [f[-2:] for f in map(str.split, symbols.splitlines())
-                   if f and f[-1].split("@")[0] == "_ZNSo9_M_insertIlEERSoT_"]
-    assert insert_long and all(kind == "U" for kind, _ in insert_long), insert_long
+    assert insert_long_kinds(mha_ext.library_path) == ["U"]

@@ -18,6 +18,8 @@ import subprocess
 import sys
 import zipfile
 
+from cxx_runtime import insert_long_kinds
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SMOKE = r"""
@@ -100,7 +102,4 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
     assert "smoke ok" in out and str(venv) in out
     # std::ostream::_M_insert<long> imported ("U"), not a private copy in the library
     library = out.split()[-1]
-    symbols = _run(["nm", "-D", library])
-    insert_long = [f[-2] for f in map(str.split, symbols.splitlines())
-                   if f and f[-1].split("@")[0] == "_ZNSo9_M_insertIlEERSoT_"]
-    assert insert_long == ["U"], insert_long
+    assert insert_long_kinds(library) == ["U"]
