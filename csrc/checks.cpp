@@ -9,6 +9,10 @@
 
 #include <cstdio>
 
+#ifdef __linux__
+#include <sys/sysinfo.h>
+#endif
+
 namespace mha_ext {
 
 std::string format_shape(at::IntArrayRef sizes) {
@@ -18,6 +22,31 @@ std::string format_shape(at::IntArrayRef sizes) {
     s += std::to_string(sizes[i]);
   }
   return s + ")";
+}
+
+// RAM and swap together, in bytes; 0 where the system does not say
+static double machine_memory_bytes() {
+#ifdef __linux__
+  struct sysinfo si;
+  if (sysinfo(&si) == 0) return (double(si.totalram) + double(si.totalswap)) * double(si.mem_unit);
+#endif
+  return 0.0;
+}
+
+static std::string gib(double bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.1f GiB", bytes / double(int64_t(1) << 30));
+  return buf;
+}
+
+void check_fits_in_memory(const char* what, at::IntArrayRef sizes, const at::TensorOptions& options) {
+  if (!options.device().is_cpu()) return;
+  double bytes = double(options.dtype().itemsize());
+  for (int64_t n : sizes) bytes *= double(n);
+  const double limit = machine_memory_bytes();
+  TORCH_CHECK(limit == 0.0 || bytes <= limit, what, " of shape ", format_shape(sizes), " (",
+              dtype_name(options.dtype().toScalarType()), ") needs ", gib(bytes),
+              ", more than this machine's RAM and swap together (", gib(limit), ")");
 }
 
 std::string dtype_name(at::ScalarType t) {

@@ -41,6 +41,13 @@ inline std::vector<int64_t> with_batch(const AttentionShape& s, std::initializer
   return v;
 }
 
+// at::empty for a buffer the call writes in full, once it is known to fit in
+// the machine's memory (check_fits_in_memory).
+inline at::Tensor empty_checked(const char* what, at::IntArrayRef sizes, const at::TensorOptions& options) {
+  check_fits_in_memory(what, sizes, options);
+  return at::empty(sizes, options);
+}
+
 // An output (N, Hq, L, Ev) whose leading dims lie in memory in the order of
 // query's strides, as torch's fused SDPA allocates its output: a query that is
 // a view of (N, L, Hq * E) gives an output that is a view of (N, L, Hq * Ev),
@@ -48,6 +55,7 @@ inline std::vector<int64_t> with_batch(const AttentionShape& s, std::initializer
 // output projection then take without a copy. Dims of size 1 or stride 0 stay
 // where they are; other ranks (torch's fallback) get a contiguous output.
 inline at::Tensor empty_in_query_order(const at::Tensor& query, const std::vector<int64_t>& sizes) {
+  check_fits_in_memory("the output", sizes, query.options());
   if (query.dim() != 4 || sizes.size() != 4) return at::empty(sizes, query.options());
   std::vector<int64_t> slots;  // the dims that take part, in their logical order
   for (int64_t d = 0; d < 3; ++d)
@@ -208,7 +216,8 @@ ForwardCall prepare_forward(const at::Tensor& query, const at::Tensor& key, cons
   }
   const AttentionShape& s = c.s;
   c.out = empty_in_query_order(query, with_batch(s, {s.heads_q, s.len_q, s.head_dim_v}));
-  c.lse = at::empty(with_batch(s, {s.heads_q, s.len_q}), query.options().dtype(acc_type_of(query.scalar_type())));
+  c.lse = empty_checked("the logsumexp", with_batch(s, {s.heads_q, s.len_q}),
+                        query.options().dtype(acc_type_of(query.scalar_type())));
   c.has_rows = s.batch * s.heads_q * s.len_q > 0;
   if (!c.has_rows) return c;
   c.keep_alive = fill_common(c.p, s, query, key, value, attn_mask, dropout_p, va, scale, c.rng_state);
@@ -252,6 +261,7 @@ BackwardCall prepare_backward(const at::Tensor& grad_out, const at::Tensor& quer
   c.has_heads = s.batch * s.heads_q > 0;
   if (!c.has_heads) return c;
   c.keep_alive = fill_common(c.p, s, query, key, value, attn_mask, dropout_p, va, scale, rng_state);
+  if (!logsumexp.is_contiguous()) check_fits_in_memory("logsumexp's contiguous copy", logsumexp.sizes(), logsumexp.options());
   at::Tensor go4 = flatten_batch(grad_out), o4 = flatten_batch(out), lse_c = logsumexp.contiguous();
   c.p.grad_out = go4.const_data_ptr();
   c.p.grad_out_stride = strides_of(go4);

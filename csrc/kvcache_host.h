@@ -115,8 +115,9 @@ inline KVCacheCall prepare_kvcache(const at::Tensor& query, at::Tensor& k_cache,
     k_cache.index_put_({batch, rows}, *k_new);
     v_cache.index_put_({batch, rows}, *v_new);
   }
-  c.out = at::empty({s.batch, s.len_q, s.heads_q, s.head_dim_v}, query.options());
-  c.lse = at::empty({s.batch, s.heads_q, s.len_q}, query.options().dtype(acc_type_of(query.scalar_type())));
+  c.out = empty_checked("the output", {s.batch, s.len_q, s.heads_q, s.head_dim_v}, query.options());
+  c.lse = empty_checked("the logsumexp", {s.batch, s.heads_q, s.len_q},
+                        query.options().dtype(acc_type_of(query.scalar_type())));
   c.has_rows = s.batch * s.heads_q * s.len_q > 0;
   if (!c.has_rows) return c;
   AttentionFwdParams& p = c.p;

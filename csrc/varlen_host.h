@@ -76,8 +76,8 @@ VarlenForwardCall prepare_varlen_forward(const at::Tensor& query, const at::Tens
     c.rng_state = no_rng_state(query);
   }
   const VarlenShape& s = c.s;
-  c.out = at::empty({s.total_q, s.heads_q, s.head_dim_v}, query.options());
-  c.lse = at::empty({s.heads_q, s.total_q}, query.options().dtype(acc_type_of(query.scalar_type())));
+  c.out = empty_checked("the output", {s.total_q, s.heads_q, s.head_dim_v}, query.options());
+  c.lse = empty_checked("the logsumexp", {s.heads_q, s.total_q}, query.options().dtype(acc_type_of(query.scalar_type())));
   c.has_rows = s.total_q * s.heads_q > 0;
   if (!c.has_rows) return c;
   c.keep_alive = fill_varlen(c.p, s, query, key, value, vl, dropout_p, va, scale, c.rng_state);
@@ -111,6 +111,7 @@ inline VarlenBackwardCall prepare_varlen_backward(const at::Tensor& grad_out, co
   c.has_heads = s.batch * s.heads_q > 0;
   if (!c.has_heads) return c;
   c.keep_alive = fill_varlen(c.p, s, query, key, value, vl, dropout_p, va, scale, rng_state);
+  if (!logsumexp.is_contiguous()) check_fits_in_memory("logsumexp's contiguous copy", logsumexp.sizes(), logsumexp.options());
   const at::Tensor lse_c = logsumexp.contiguous();
   c.p.grad_out = grad_out.const_data_ptr();
   c.p.grad_out_stride = packed_strides(grad_out);

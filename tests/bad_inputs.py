@@ -96,8 +96,29 @@ CASES = {
         "rows = torch.isnan(out).any(-1); assert rows.sum() == 1 and rows[0, 1, 2]", TORCH),
     "inf in a key": ("x = k.clone(); x[0, 0, 1, 0] = float('inf')\n"
                      "same_as_torch(sdpa(q, x, v), F.scaled_dot_product_attention(q, x, v))", TORCH),
+    # sizes past the machine's RAM and swap: a clear error before any
+    # allocation (where the system overcommits, the allocation itself succeeds
+    # and the writes end in the out-of-memory killer, or run for hours)
     "output larger than memory": ("sdpa(t(1, 1, 1, 8).expand(1, 1, 2**40, 8), k[:1, :1], v[:1, :1])",
-                                  R("RuntimeError", r"(?i)alloc|memory")),
+                                  R("RuntimeError", r"^the output of shape \(1, 1, 1099511627776, 3\) \(torch.float32\) "
+                                    r"needs 12288.0 GiB, more than this machine's RAM and swap together \(\d+\.\d GiB\)")),
+    "varlen: output larger than memory": (
+        "mha_ext.varlen_attention(t(1, 1, 8).expand(2**31 - 1, 64, 8), t(12, 1, 8), t(12, 1, 8), "
+        "torch.tensor([0, 2**31 - 1], dtype=torch.int32), torch.tensor([0, 12], dtype=torch.int32), 2**31 - 1, 12)",
+        R("RuntimeError", r"^the output of shape \(2147483647, 64, 8\) \(torch.float32\) needs 4096.0 GiB, more than")),
+    "KV cache: output larger than memory": (
+        "mha_ext.kvcache_attention(t(1, 1, 1, 8).expand(1, 2**40, 1, 8), t(1, 16, 1, 8), t(1, 16, 1, 8), "
+        "torch.tensor([4], dtype=torch.int32))",
+        R("RuntimeError", r"^the output of shape \(1, 1099511627776, 1, 8\) \(torch.float32\) needs 32768.0 GiB, more than")),
+    "backward: grad_key larger than memory": (
+        "kb, q1 = t(1, 1, 1, 8).expand(1, 1, 2**37, 8), t(1, 1, 1, 8)\n"
+        "op.attention_backward(q1, q1, kb, kb, q1, t(1, 1, 1), None, 0.0, False, None, False, torch.zeros(2, dtype=torch.long), False)",
+        R("RuntimeError", r"^grad_key of shape \(1, 1, 137438953472, 8\) \(torch.float32\) needs 4096.0 GiB, more than")),
+    "backward: logsumexp's copy larger than memory": (
+        "big = t(1, 1, 1, 8).expand(1, 1, 2**40, 8)\n"
+        "op.attention_backward(big, big, k[:1, :1], k[:1, :1], big, t(1, 1, 1).expand(1, 1, 2**40), None, 0.0, False, None, "
+        "False, torch.zeros(2, dtype=torch.long), False)",
+        R("RuntimeError", r"^logsumexp's contiguous copy of shape \(1, 1, 1099511627776\) \(torch.float32\) needs 4096.0 GiB")),
     # -- devices ----------------------------------------------------------
     "mask on the meta device": ("sdpa(q, k, v, attn_mask=torch.zeros(6, 5, device='meta'))",
                                 R("RuntimeError", r"attn_mask must be on the same device as query \(cpu\), got meta")),

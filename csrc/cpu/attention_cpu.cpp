@@ -90,13 +90,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   const at::ScalarType acc = acc_type_of(query.scalar_type());
   const int64_t B = s.batch, Hq = s.heads_q, Hkv = s.heads_kv, G = Hq / std::max<int64_t>(Hkv, 1);
   const int64_t L = s.len_q, S = s.len_kv, E = s.head_dim, Ev = s.head_dim_v;
-  at::Tensor grad_q = at::empty(with_batch(s, {Hq, L, E}), query.options());
-  at::Tensor grad_k = at::empty(with_batch(s, {Hkv, S, E}), query.options());
-  at::Tensor grad_v = at::empty(with_batch(s, {Hkv, S, Ev}), query.options());
+  at::Tensor grad_q = empty_checked("grad_query", with_batch(s, {Hq, L, E}), query.options());
+  at::Tensor grad_k = empty_checked("grad_key", with_batch(s, {Hkv, S, E}), query.options());
+  at::Tensor grad_v = empty_checked("grad_value", with_batch(s, {Hkv, S, Ev}), query.options());
   at::Tensor grad_mask = at::empty({0}, query.options());
   const auto acc_opts = query.options().dtype(acc);
-  at::Tensor dk_heads = at::empty({B, Hq, S, E}, acc_opts);
-  at::Tensor dv_heads = at::empty({B, Hq, S, Ev}, acc_opts);
+  at::Tensor dk_heads = empty_checked("grad_key per query head", {B, Hq, S, E}, acc_opts);
+  at::Tensor dv_heads = empty_checked("grad_value per query head", {B, Hq, S, Ev}, acc_opts);
   at::Tensor dmask_full = want_mask_grad ? at::zeros({B, Hq, L, S}, acc_opts) : at::Tensor();
 
   if (c.has_heads) {

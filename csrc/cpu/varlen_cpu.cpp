@@ -56,12 +56,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_cpu(
   const int64_t Hq = s.heads_q, Hkv = s.heads_kv, G = Hq / std::max<int64_t>(Hkv, 1);
   const int64_t E = s.head_dim, Ev = s.head_dim_v, Tk = s.total_kv;
   const auto acc_opts = query.options().dtype(acc_type_of(query.scalar_type()));
-  at::Tensor grad_q = at::zeros({s.total_q, Hq, E}, query.options());
-  at::Tensor grad_k = at::empty({Tk, Hkv, E}, query.options());
-  at::Tensor grad_v = at::empty({Tk, Hkv, Ev}, query.options());
+  at::Tensor grad_q = empty_checked("grad_query", {s.total_q, Hq, E}, query.options()).zero_();
+  at::Tensor grad_k = empty_checked("grad_key", {Tk, Hkv, E}, query.options());
+  at::Tensor grad_v = empty_checked("grad_value", {Tk, Hkv, Ev}, query.options());
   // dK and dV per query head, (total_k, Hq, D): a GQA group's heads are adjacent
-  at::Tensor dk_heads = at::zeros({Tk, Hq, E}, acc_opts);
-  at::Tensor dv_heads = at::zeros({Tk, Hq, Ev}, acc_opts);
+  at::Tensor dk_heads = empty_checked("grad_key per query head", {Tk, Hq, E}, acc_opts).zero_();
+  at::Tensor dv_heads = empty_checked("grad_value per query head", {Tk, Hq, Ev}, acc_opts).zero_();
   if (c.has_heads) {
     AttentionBwdParams& p = c.p;
     p.grad_q = grad_q.data_ptr();
