@@ -43,7 +43,7 @@ void check_fits_in_memory(const char* what, at::IntArrayRef sizes, const at::Ten
   if (!options.device().is_cpu()) return;
   double bytes = double(options.dtype().itemsize());
   for (int64_t n : sizes) bytes *= double(n);
-  const double limit = machine_memory_bytes();
+  static const double limit = machine_memory_bytes();  // read once: no system call per op call
   TORCH_CHECK(limit == 0.0 || bytes <= limit, what, " of shape ", format_shape(sizes), " (",
               dtype_name(options.dtype().toScalarType()), ") needs ", gib(bytes),
               ", more than this machine's RAM and swap together (", gib(limit), ")");
