@@ -24,13 +24,27 @@ std::string format_shape(at::IntArrayRef sizes) {
   return s + ")";
 }
 
-// RAM and swap together, in bytes; 0 where the system does not say
-static double machine_memory_bytes() {
+// The most memory this process can hold, in bytes: RAM and swap together, or
+// less where a cgroup caps the RAM (v2: memory.max, v1: memory.limit_in_bytes,
+// as /sys/fs/cgroup shows them; "max" caps nothing); 0 where the system does
+// not say (not Linux: no check).
+static double process_memory_bytes() {
 #ifdef __linux__
   struct sysinfo si;
-  if (sysinfo(&si) == 0) return (double(si.totalram) + double(si.totalswap)) * double(si.mem_unit);
-#endif
+  if (sysinfo(&si) != 0) return 0.0;
+  const double swap = double(si.totalswap) * double(si.mem_unit);
+  double limit = double(si.totalram) * double(si.mem_unit) + swap;
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    if (FILE* f = std::fopen(path, "r")) {
+      unsigned long long cap = 0;
+      if (std::fscanf(f, "%llu", &cap) == 1) limit = std::min(limit, double(cap) + swap);
+      std::fclose(f);
+    }
+  }
+  return limit;
+#else
   return 0.0;
+#endif
 }
 
 static std::string gib(double bytes) {
@@ -43,10 +57,10 @@ void check_fits_in_memory(const char* what, at::IntArrayRef sizes, const at::Ten
   if (!options.device().is_cpu()) return;
   double bytes = double(options.dtype().itemsize());
   for (int64_t n : sizes) bytes *= double(n);
-  static const double limit = machine_memory_bytes();  // read once: no system call per op call
+  static const double limit = process_memory_bytes();  // read once: no system call per op call
   TORCH_CHECK(limit == 0.0 || bytes <= limit, what, " of shape ", format_shape(sizes), " (",
               dtype_name(options.dtype().toScalarType()), ") needs ", gib(bytes),
-              ", more than this machine's RAM and swap together (", gib(limit), ")");
+              ", more than this process can hold (", gib(limit), ": RAM and swap, within its cgroup's limit)");
 }
 
 std::string dtype_name(at::ScalarType t) {

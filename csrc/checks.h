@@ -87,11 +87,12 @@ void check_same_shape(const char* name, const at::Tensor& t, at::IntArrayRef exp
                       const at::Tensor& like, std::optional<at::ScalarType> dtype = std::nullopt);
 
 // A buffer of `sizes` that a call allocates on the CPU and writes in full (an
-// output, a gradient) must fit in the machine's RAM and swap together: where
-// the system overcommits memory (vm.overcommit_memory = 1, as on Kubernetes
-// nodes) its allocation succeeds and the writes end in the out-of-memory
-// killer, or run for hours. A clear error instead, naming the buffer. Other
-// devices' allocators refuse such sizes themselves.
+// output, a gradient) must fit in the memory the process can hold (RAM and
+// swap, within its cgroup's limit; Linux): where the system overcommits
+// memory (vm.overcommit_memory = 1, as on Kubernetes nodes) its allocation
+// succeeds and the writes end in the out-of-memory killer, or run for hours.
+// A clear error instead, naming the buffer. Other devices' allocators refuse
+// such sizes themselves.
 void check_fits_in_memory(const char* what, at::IntArrayRef sizes, const at::TensorOptions& options);
 
 std::string format_shape(at::IntArrayRef sizes);

@@ -81,6 +81,10 @@ inline KVCacheCall prepare_kvcache(const at::Tensor& query, at::Tensor& k_cache,
   c.s = check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table);
   check_variant(c.s, query, va.window_left, va.window_right, va.softcap, va.alibi_slopes);
   const KVCacheShape& s = c.s;
+  // the outputs first: a size the machine cannot hold raises before a cache is written
+  c.out = empty_checked("the output", {s.batch, s.len_q, s.heads_q, s.head_dim_v}, query.options());
+  c.lse = empty_checked("the logsumexp", {s.batch, s.heads_q, s.len_q},
+                        query.options().dtype(acc_type_of(query.scalar_type())));
   // cache_seqlens read on the host where it lies there (the new rows' places, the key counts)
   const at::Tensor host_seqlens = cache_seqlens.device().is_cpu() ? cache_seqlens.contiguous() : at::Tensor();
   const bool write_new = k_new.has_value() && s.len_new > 0;
@@ -115,9 +119,6 @@ inline KVCacheCall prepare_kvcache(const at::Tensor& query, at::Tensor& k_cache,
     k_cache.index_put_({batch, rows}, *k_new);
     v_cache.index_put_({batch, rows}, *v_new);
   }
-  c.out = empty_checked("the output", {s.batch, s.len_q, s.heads_q, s.head_dim_v}, query.options());
-  c.lse = empty_checked("the logsumexp", {s.batch, s.heads_q, s.len_q},
-                        query.options().dtype(acc_type_of(query.scalar_type())));
   c.has_rows = s.batch * s.heads_q * s.len_q > 0;
   if (!c.has_rows) return c;
   AttentionFwdParams& p = c.p;

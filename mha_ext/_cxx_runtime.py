@@ -14,6 +14,7 @@ image the compiler's search path held only the static archive, so naming
 libstdc++.so.6 this process (and torch) runs on.
 """
 import os
+import sys
 
 
 def shared_libstdcxx():
@@ -34,5 +35,7 @@ def shared_libstdcxx():
 def link_flags():
     """Linker arguments that make the shared C++ runtime a needed library,
     named before the driver's own -lstdc++ (which may be the static one)."""
+    if not sys.platform.startswith("linux"):  # GNU ld's options; elsewhere the toolchain's default
+        return []
     runtime = shared_libstdcxx()
     return ["-Wl,--push-state,-Bdynamic,--no-as-needed", runtime if runtime else "-lstdc++", "-Wl,--pop-state"]

@@ -7,16 +7,16 @@
 # backward (and of the forward at L = 512 beside flash's, with a timing of it),
 # then the whole suite, each case named in suite.log as it ends. Each stage
 # has its own time limit so that a slow one cannot eat the next; logs go to
-# $OUT (or ./gpu_out): everything printed in session.log, and 7 other files at
-# most (the device tool brings back a limited number; a call's reply shows
-# only the tail of what it prints). Test-only wheels the image lacks
+# $OUT (or ./gpu_out): everything printed in session.log, and 6 other files
+# (build, bench, three ncu reports, the suite: the device tool brings back 8 at
+# most; a call's reply shows only the tail of what it prints). Test-only wheels the image lacks
 # (expecttest, for opcheck) travel in .whl (see the device notes).
 #   bash scripts/gpu_session.sh [tests-s] [bench-s] [suite-s]     (suite-s 0: no suite)
 #   MHA_BENCH_ARGS="--only decode" bash scripts/gpu_session.sh ...  (arguments for bench_cuda.py)
 #   MHA_SUITE="tests/test_x.py ..." bash scripts/gpu_session.sh ...  (what the last stage runs; default: tests)
 #   MHA_NCU=0 bash scripts/gpu_session.sh ...                       (no ncu profiles: a short lease)
 # On an H200 (2026-11-27, the fifth GPU session) the machine took about 30 s to start, the build
-# 122 s, the 303 CUDA cases 89 s at -n 8, the quick bench 23 s, and the suite reached 45% of its
+# 122 s, the 303 CUDA cases 89 s at -n 8 (64 s of it running them), the quick bench 23 s, and the suite reached 45% of its
 # cases in 230 s (Intel Xeon, 14 workers; two crashed workers cost part of that): a 15-minute lease
 # fits `MHA_NCU=0 bash scripts/gpu_session.sh 110 60 300` in one call of about 9.5 minutes, with no
 # time left for a second start (one needs 4 minutes of lease left).
@@ -33,6 +33,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 nvidia-smi -L; nproc; lscpu | grep -m1 "Model name"
+echo "CPU: $(grep -o -w -E 'avx512f|avx512_bf16|amx_tile|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')"
 python3 -c "import torch, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 stamp build
 rm -f mha_ext/_C*.so
@@ -69,7 +70,7 @@ if [ "${MHA_NCU:-1}" != 0 ]; then
 stamp "ncu: one float16 forward and backward at head dim 128 (where the time goes inside the kernels)"
 # One profile, saved: its sections as text, then its per-SASS-instruction table (executed
 # instructions, stalls, excessive sectors of each line: which lines the backward's 13 instructions
-# per mma and the forward's uncoalesced global sectors are), compressed, the last of the 8 files
+# per mma and the forward's uncoalesced global sectors are), compressed (the tool brings back 8 files at most)
 timeout 120 ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
   --section InstructionStats --section SourceCounters -k regex:attention_ -c 3 -f -o /tmp/prof python3 -c "
 import torch, mha_ext
@@ -118,8 +119,11 @@ stamp "whole suite (-n 14, less the CUDA cases of the stage above; the transform
 deselect=()
 [ -z "${MHA_SUITE:-}" ] && while read -r id; do deselect+=(--deselect "$id"); done < /tmp/cuda_ids.txt
 # -v: each case's name and outcome as it ends, in suite.log, so a run cut by its limit still
-# names its failures (printed here with the crashes as they happen)
-timeout "$t_suite" python3 -m pytest -v -p no:cacheprovider -n 14 -rfE ${MHA_SUITE:-tests} "${deselect[@]}" \
+# names its failures (printed here from that log once pytest ends or is stopped, with the crashes)
+# the instruction-set paths first: the GPU machines' Intel hosts may have the AMX this project's
+# CPU machines mostly lack (pytest drops the second mention of a file)
+timeout "$t_suite" python3 -m pytest -v -p no:cacheprovider -n 14 -rfE ${MHA_SUITE:-tests/test_isa_paths.py tests} \
+  "${deselect[@]}" \
   --ignore tests/test_packaging.py --ignore tests/test_transformers.py > "$out/suite.log" 2>&1
 rc=$?
 grep -E "(FAILED|ERROR)( |$)|node down|Fatal Python error|^  File \"$PWD/tests" "$out/suite.log" | head -60

@@ -101,19 +101,31 @@ CASES = {
     # and the writes end in the out-of-memory killer, or run for hours)
     "output larger than memory": ("sdpa(t(1, 1, 1, 8).expand(1, 1, 2**40, 8), k[:1, :1], v[:1, :1])",
                                   R("RuntimeError", r"^the output of shape \(1, 1, 1099511627776, 3\) \(torch.float32\) "
-                                    r"needs 12288.0 GiB, more than this machine's RAM and swap together \(\d+\.\d GiB\)")),
+                                    r"needs 12288.0 GiB, more than this process can hold \(\d+\.\d GiB: RAM and swap, within its cgroup's limit\)")),
     "varlen: output larger than memory": (
         "mha_ext.varlen_attention(t(1, 1, 8).expand(2**31 - 1, 64, 8), t(12, 1, 8), t(12, 1, 8), "
         "torch.tensor([0, 2**31 - 1], dtype=torch.int32), torch.tensor([0, 12], dtype=torch.int32), 2**31 - 1, 12)",
         R("RuntimeError", r"^the output of shape \(2147483647, 64, 8\) \(torch.float32\) needs 4096.0 GiB, more than")),
-    "KV cache: output larger than memory": (
-        "mha_ext.kvcache_attention(t(1, 1, 1, 8).expand(1, 2**40, 1, 8), t(1, 16, 1, 8), t(1, 16, 1, 8), "
-        "torch.tensor([4], dtype=torch.int32))",
+    "KV cache: output larger than memory, the caches untouched": (
+        "kc, vc = torch.zeros(1, 16, 1, 8), torch.zeros(1, 16, 1, 8)\n"
+        "try:\n"
+        "    mha_ext.kvcache_attention(t(1, 1, 1, 8).expand(1, 2**40, 1, 8), kc, vc, torch.tensor([4], dtype=torch.int32), "
+        "k_new=t(1, 1, 1, 8), v_new=t(1, 1, 1, 8))\n"
+        "finally:\n"
+        "    assert not kc.any() and not vc.any(), 'a cache was written before the error'",
         R("RuntimeError", r"^the output of shape \(1, 1099511627776, 1, 8\) \(torch.float32\) needs 32768.0 GiB, more than")),
     "backward: grad_key larger than memory": (
         "kb, q1 = t(1, 1, 1, 8).expand(1, 1, 2**37, 8), t(1, 1, 1, 8)\n"
         "op.attention_backward(q1, q1, kb, kb, q1, t(1, 1, 1), None, 0.0, False, None, False, torch.zeros(2, dtype=torch.long), False)",
         R("RuntimeError", r"^grad_key of shape \(1, 1, 137438953472, 8\) \(torch.float32\) needs 4096.0 GiB, more than")),
+    "backward: mask gradient larger than memory": (
+        "qb, m = t(1, 1, 1, 8).expand(1, 1, 2**20, 8), t(1, 1, 1, 1).expand(1, 1, 2**20, 2**20)\n"
+        "op.attention_backward(qb, qb, qb, qb, qb, t(1, 1, 2**20), m, 0.0, False, None, False, "
+        "torch.zeros(2, dtype=torch.long), True)",
+        R("RuntimeError", r"^grad_attn_mask per head of shape \(1, 1, 1048576, 1048576\) \(torch.float32\) needs 4096.0 GiB")),
+    "dropout mask larger than memory": (
+        "op.dropout_mask(torch.zeros(2, dtype=torch.long), [1, 1, 2**20, 2**20], 0.1)",
+        R("RuntimeError", r"^the mask of shape \(1, 1, 1048576, 1048576\) \(torch.bool\) needs 1024.0 GiB")),
     "backward: logsumexp's copy larger than memory": (
         "big = t(1, 1, 1, 8).expand(1, 1, 2**40, 8)\n"
         "op.attention_backward(big, big, k[:1, :1], k[:1, :1], big, t(1, 1, 1).expand(1, 1, 2**40), None, 0.0, False, None, "

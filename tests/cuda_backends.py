@@ -26,16 +26,12 @@ DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 NO_RNG = torch.zeros(2, dtype=torch.long)
 
 
-# The emulated backend's library, built by _load_emulation
-EMUL_LIBRARY = os.path.join(ROOT, "build", "emul_ext", "mha_ext_emul.so")
-
-
-def _load_emulation():
+def _load_emulation(build=os.path.join(ROOT, "build", "emul_ext")):
+    """torch.ops.mha_ext_emul, built (where its sources changed) into build."""
     from torch.utils.cpp_extension import load
 
     from mha_ext._cxx_runtime import link_flags
 
-    build = os.path.dirname(EMUL_LIBRARY)
     os.makedirs(build, exist_ok=True)
     # load() rebuilds when sources or flags change; the headers are the code
     # under test, so their digest goes into the flags.

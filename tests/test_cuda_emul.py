@@ -13,15 +13,17 @@ Key splits and the decode kernel: test_cuda_emul_decode.py; the backends and
 the assertions: cuda_backends.py."""
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import mha_ext  # noqa: F401  (registers torch.ops.mha_ext)
 import reference as R
-from cuda_backends import (DTYPES, EMUL_LIBRARY, NO_RNG, ROOT, SHAPES, OnCuda, _err,  # noqa: F401
-                           _load_emulation, assert_all_like_cpu, backend, forward_block, make, references)
-from cxx_runtime import insert_long_kinds
+from cuda_backends import (DTYPES, NO_RNG, ROOT, SHAPES, OnCuda, _err, assert_all_like_cpu,  # noqa: F401
+                           backend, forward_block, make, references)
+from cxx_runtime import hostile_toolchain, insert_long_kinds
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -372,12 +374,29 @@ def test_emul_head_dim_limit_is_a_clear_error(backend):
         backend.attention(q, q, q)
 
 
-def test_emul_library_takes_the_shared_cpp_runtime():
-    # built at test time by the compiler the machine has: a GPU image's linked
-    # libstdc++ statically, and every check whose message holds an integer
-    # (head dim 264 above) crashed the process
-    _load_emulation()
-    assert insert_long_kinds(EMUL_LIBRARY) == ["U"]
+def test_emul_library_takes_the_shared_cpp_runtime(tmp_path):
+    # The emulation is built at test time by the compiler the machine has. A GPU
+    # image's linked the C++ runtime statically (from a search path holding only
+    # libstdc++.a), and every check whose message held an integer crashed the
+    # process. Built here by such a compiler (in a process of its own): the
+    # message whole, the stream code imported from libstdc++.so.
+    build = tmp_path / "emul"
+    script = f"""
+import sys, torch
+sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})
+from cuda_backends import _load_emulation
+ops = _load_emulation({str(build)!r})
+q = torch.randn(1, 1, 4, 264)
+try:
+    ops.attention(q, q, q)
+except RuntimeError as e:
+    print(str(e).splitlines()[0])
+"""
+    env = dict(os.environ, CXX=hostile_toolchain(tmp_path))
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "head dims up to 256, got E = 264, Ev = 264" in res.stdout, res.stdout
+    assert insert_long_kinds(str(build / "mha_ext_emul.so")) == ["U"]
 
 
 def test_emul_device_code_reaches_hardware_only_through_simt():

@@ -13,12 +13,11 @@ stream code, and C++ error messages with integers were cut (here) or crashed
 test checks a message with integers whole and the stream code imported. (The
 suite itself runs on the normal toolchain's build.)"""
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
 
-from cxx_runtime import insert_long_kinds
+from cxx_runtime import hostile_toolchain, insert_long_kinds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,27 +41,6 @@ except RuntimeError as e:
 print("smoke ok", mha_ext.library_path)
 """
 
-# A compiler that links the C++ runtime statically, from a folder that holds
-# only the archive (first on the library path)
-HOSTILE_CXX = """#!/bin/sh
-case " $* " in *" -shared "*) exec '{cxx}' -L'{archive_dir}' -static-libstdc++ "$@";; esac
-exec '{cxx}' "$@"
-"""
-
-
-def _hostile_toolchain(tmp_path):
-    real = shutil.which("g++")
-    assert real, "the packaging test builds with g++ (the suite's compiler), and none is on PATH"
-    archive = _run([real, "-print-file-name=libstdc++.a"]).strip()
-    assert os.path.isabs(archive), f"g++ has no libstdc++.a to link statically (libstdc++-dev): {archive!r}"
-    archive_dir = tmp_path / "static_only"
-    archive_dir.mkdir()
-    os.symlink(archive, archive_dir / "libstdc++.a")
-    cxx = tmp_path / "static-g++"
-    cxx.write_text(HOSTILE_CXX.format(cxx=real, archive_dir=archive_dir))
-    cxx.chmod(0o755)
-    return str(cxx)
-
 
 def _run(cmd, **kw):
     res = subprocess.run(cmd, capture_output=True, text=True, **kw)
@@ -78,7 +56,7 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.write_bytes(open(os.path.join(ROOT, f), "rb").read())
     # CPU only: the packaging is the same with the CUDA build, which takes longer
-    cxx = _hostile_toolchain(tmp_path)
+    cxx = hostile_toolchain(tmp_path)
     env = dict(os.environ, USE_CUDA="0", MAX_JOBS=os.environ.get("MAX_JOBS", "2"), CC=cxx, CXX=cxx)
     _run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w", str(tmp_path / "dist"),
           str(src)], env=env)

@@ -97,7 +97,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   const auto acc_opts = query.options().dtype(acc);
   at::Tensor dk_heads = empty_checked("grad_key per query head", {B, Hq, S, E}, acc_opts);
   at::Tensor dv_heads = empty_checked("grad_value per query head", {B, Hq, S, Ev}, acc_opts);
-  at::Tensor dmask_full = want_mask_grad ? at::zeros({B, Hq, L, S}, acc_opts) : at::Tensor();
+  at::Tensor dmask_full =
+      want_mask_grad ? empty_checked("grad_attn_mask per head", {B, Hq, L, S}, acc_opts).zero_() : at::Tensor();
 
   if (c.has_heads) {
     AttentionBwdParams& p = c.p;
@@ -153,7 +154,7 @@ at::Tensor dropout_mask_cpu(const at::Tensor& rng_state,  // int64 (seed, offset
   const int64_t L = shape.size() >= 2 ? shape[shape.size() - 2] : 1;
   check_rng_state(rng_state, at::Device(at::kCPU), L);
   check_dropout_p(dropout_p);
-  at::Tensor keep = at::empty(shape, at::TensorOptions().dtype(at::kBool));
+  at::Tensor keep = empty_checked("the mask", shape, at::TensorOptions().dtype(at::kBool));
   const int64_t S = shape.back();
   const int64_t rows = S == 0 ? 0 : keep.numel() / S;
   const DropoutParams d = dropout_params(dropout_p, rng_state.contiguous());
