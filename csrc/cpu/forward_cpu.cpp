@@ -51,6 +51,10 @@ void dropout_keep_row_cpu(const DropoutParams& d, uint64_t row, int64_t j0, int6
 constexpr int64_t kDecodeRows = 16;
 constexpr int64_t kDecodeItems = 64;  // enough work items for 64 threads
 constexpr int64_t kGroupBytes = 32 * 1024;
+// K and V bytes of a call above which they are taken to come from memory
+// (they would not stay in a 32 MiB last-level cache from one call to the
+// next) and the row routines add their far fetch (rows_avx512.h)
+constexpr int64_t kFarFetchCallBytes = 32 * 1024 * 1024;
 
 bool use_decode_kernel(const AttentionFwdParams& p) {
   return !p.dropout.enabled() && p.cu_seqlens_q == nullptr && p.len_q * p.group_size() <= kDecodeRows;
@@ -150,6 +154,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   const int64_t item_keys = std::min(split_tiles * kBlockN, std::max<int64_t>(kv_end - kv_begin, 1));
   const int64_t item_bytes = std::max<int64_t>(item_keys * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t)), 1);
   const int64_t grain = std::max<int64_t>(1, kGroupBytes / item_bytes);
+  const bool far = heads * n_splits * item_bytes > kFarFetchCallBytes;
   // A KV cache's batches may hold very different key counts, and then
   // at::parallel_for's fixed ranges of items give one thread the long ones.
   // Where they would leave a thread over a quarter more keys than an even
@@ -233,7 +238,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // bfloat16 pairs on AVX512-BF16, then the scale
           if (p.k_stride.col == 1 &&
               cpu::dot_rows_bf16(q_bits.data(), R, E, reinterpret_cast<const uint16_t*>(k_tile), p.k_stride.row, n, s,
-                                 n)) {
+                                 n, far)) {
             for (int64_t r = 0; r < R; ++r) Ops::scale(s + r * n, n, scale);
             scored = true;
           }
@@ -242,14 +247,15 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         } else if constexpr (kHalfBits) {  // S = Q K^T, a dot product per (row, key), K widened in registers
           if (p.k_stride.col == 1) {
             cpu::dot_rows_16(qr.data(), R, E, reinterpret_cast<const uint16_t*>(k_tile), p.k_stride.row, n, s, n,
-                             std::is_same_v<scalar_t, c10::BFloat16>);
+                             std::is_same_v<scalar_t, c10::BFloat16>, far);
           } else {
             const acc_t* kr = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
             cpu::dot_rows(qr.data(), R, E, kr, ldk, n, s, n);
           }
         } else if constexpr (std::is_same_v<acc_t, float>) {
           const acc_t* kr = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
-          cpu::dot_rows(qr.data(), R, E, kr, ldk, n, s, n);
+          // (far only where the rows are read in place, not a packed copy)
+          cpu::dot_rows(qr.data(), R, E, kr, ldk, n, s, n, far && static_cast<const void*>(kr) == k_tile);
         } else {
           const acc_t* kr = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
           for (int64_t r = 0; r < R; ++r)
@@ -278,9 +284,9 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
           bool done = false;
           if constexpr (kHalfBits)
             done = cpu::acc_rows_16(s, R, n, n, reinterpret_cast<const uint16_t*>(v_tile), p.v_stride.row, Ev, o, Ev,
-                                    std::is_same_v<scalar_t, c10::BFloat16>);
+                                    std::is_same_v<scalar_t, c10::BFloat16>, far);
           else if constexpr (std::is_same_v<scalar_t, float>)
-            done = cpu::acc_rows(s, R, n, n, v_tile, p.v_stride.row, Ev, o, Ev);
+            done = cpu::acc_rows(s, R, n, n, v_tile, p.v_stride.row, Ev, o, Ev, far);
           if (done) continue;
         }
         const int64_t step = tile_needs_pack<scalar_t, acc_t>(p.v_stride.col) ? kVRows : n;
