@@ -237,6 +237,17 @@ def test_generation_loop_matches_a_concatenating_cache():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kvcache_past_32_mib_of_keys(dtype):
+    # K/V read past 32 MiB (each batch's own key count): the row routines also fetch
+    # each row 24 KiB ahead into L2 (rows_avx512.h); head-major views so that a
+    # head's rows are adjacent, one batch far shorter than the other
+    q, kc, vc, sl, kn, vn = _make(B=2, L=1, hq=32, hkv=8, E=128, Ev=128, S_max=16400, seqlens=(16300, 40), dtype=dtype)
+    kh, vh = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (kc, vc))
+    out, lse = _run(q, kh, vh, sl, kn, vn, is_causal=True)
+    _check_against_reference(out, lse, (q, kc, vc, sl, kn, vn), {"is_causal": True})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kvcache_head_major_cache_views(dtype):
     # caches stored (B, H, S, D) and passed as (B, S, H, D) views (the layout bench_kvcache.py
     # compares): each head's rows adjacent, the new rows written through the views

@@ -53,8 +53,9 @@ constexpr int64_t kDecodeItems = 64;  // enough work items for 64 threads
 constexpr int64_t kGroupBytes = 32 * 1024;
 // K and V bytes of a call above which they are taken to come from memory
 // (they would not stay in a 32 MiB last-level cache from one call to the
-// next) and the row routines add their far fetch (rows_avx512.h)
-constexpr int64_t kFarFetchCallBytes = 32 * 1024 * 1024;
+// next): a (B, S, H, D) cache is read heads-inner, and the row routines add
+// their far fetch (rows_avx512.h)
+constexpr int64_t kFromMemoryBytes = 32 * 1024 * 1024;
 
 bool use_decode_kernel(const AttentionFwdParams& p) {
   return !p.dropout.enabled() && p.cu_seqlens_q == nullptr && p.len_q * p.group_size() <= kDecodeRows;
@@ -100,7 +101,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   const int64_t kv_bytes =
       heads * std::max<int64_t>(kv_end - kv_begin, 0) * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t));
   const bool heads_in_rows = Hkv > 1 && p.k_stride.h < p.k_stride.row && p.v_stride.h < p.v_stride.row &&
-                             kv_bytes > (int64_t(32) << 20);
+                             kv_bytes > kFromMemoryBytes;
   const int64_t want = heads_in_rows ? std::max<int64_t>(tiles, 1)
                                      : std::min(std::max<int64_t>((kDecodeItems + heads - 1) / heads, 1),
                                                 std::max<int64_t>(tiles, 1));
@@ -154,7 +155,19 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   const int64_t item_keys = std::min(split_tiles * kBlockN, std::max<int64_t>(kv_end - kv_begin, 1));
   const int64_t item_bytes = std::max<int64_t>(item_keys * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t)), 1);
   const int64_t grain = std::max<int64_t>(1, kGroupBytes / item_bytes);
-  const bool far = heads * n_splits * item_bytes > kFarFetchCallBytes;
+  // the far fetch where the call reads K/V from memory (each batch's own key
+  // count where a KV cache gives them) in adjacent rows outside a paged pool
+  // (24 KiB on from a block's rows lies in whatever block is next)
+  int64_t read_bytes = kv_bytes;
+  if (p.seqlens_k != nullptr) {
+    int64_t keys = 0;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const AttentionFwdParams sp = sequence_params<scalar_t, acc_t>(p, b);
+      keys += std::max<int64_t>(visible_kv_end(sp, 0, L) - visible_kv_begin(sp, 0), 0);
+    }
+    read_bytes = keys * Hkv * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t));
+  }
+  const bool far_fetch = p.block_table == nullptr && read_bytes > kFromMemoryBytes;
   // A KV cache's batches may hold very different key counts, and then
   // at::parallel_for's fixed ranges of items give one thread the long ones.
   // Where they would leave a thread over a quarter more keys than an even
@@ -238,7 +251,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // bfloat16 pairs on AVX512-BF16, then the scale
           if (p.k_stride.col == 1 &&
               cpu::dot_rows_bf16(q_bits.data(), R, E, reinterpret_cast<const uint16_t*>(k_tile), p.k_stride.row, n, s,
-                                 n, far)) {
+                                 n, far_fetch)) {
             for (int64_t r = 0; r < R; ++r) Ops::scale(s + r * n, n, scale);
             scored = true;
           }
@@ -247,15 +260,15 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         } else if constexpr (kHalfBits) {  // S = Q K^T, a dot product per (row, key), K widened in registers
           if (p.k_stride.col == 1) {
             cpu::dot_rows_16(qr.data(), R, E, reinterpret_cast<const uint16_t*>(k_tile), p.k_stride.row, n, s, n,
-                             std::is_same_v<scalar_t, c10::BFloat16>, far);
+                             std::is_same_v<scalar_t, c10::BFloat16>, far_fetch);
           } else {
             const acc_t* kr = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
-            cpu::dot_rows(qr.data(), R, E, kr, ldk, n, s, n);
+            cpu::dot_rows(qr.data(), R, E, kr, ldk, n, s, n, false);
           }
         } else if constexpr (std::is_same_v<acc_t, float>) {
           const acc_t* kr = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
-          // (far only where the rows are read in place, not a packed copy)
-          cpu::dot_rows(qr.data(), R, E, kr, ldk, n, s, n, far && static_cast<const void*>(kr) == k_tile);
+          // (the far fetch where the rows are read in place, not from a packed copy)
+          cpu::dot_rows(qr.data(), R, E, kr, ldk, n, s, n, far_fetch && p.k_stride.col == 1);
         } else {
           const acc_t* kr = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
           for (int64_t r = 0; r < R; ++r)
@@ -284,9 +297,9 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
           bool done = false;
           if constexpr (kHalfBits)
             done = cpu::acc_rows_16(s, R, n, n, reinterpret_cast<const uint16_t*>(v_tile), p.v_stride.row, Ev, o, Ev,
-                                    std::is_same_v<scalar_t, c10::BFloat16>, far);
+                                    std::is_same_v<scalar_t, c10::BFloat16>, far_fetch);
           else if constexpr (std::is_same_v<scalar_t, float>)
-            done = cpu::acc_rows(s, R, n, n, v_tile, p.v_stride.row, Ev, o, Ev, far);
+            done = cpu::acc_rows(s, R, n, n, v_tile, p.v_stride.row, Ev, o, Ev, far_fetch);
           if (done) continue;
         }
         const int64_t step = tile_needs_pack<scalar_t, acc_t>(p.v_stride.col) ? kVRows : n;

@@ -82,28 +82,28 @@ void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* 
 // product and difference in one rounding); returns the sum
 float exp2_sub_sum(float* x, int64_t n, float mul, float sub);
 
-// rows_cpu.cpp, for the decode kernel (far: the far fetch of rows_avx512.h,
-// for calls whose K and V do not stay in the caches):
+// rows_cpu.cpp, for the decode kernel (far_fetch: the far fetch of
+// rows_avx512.h, for calls whose K and V do not stay in the caches):
 // s[r * lds + c] = dot(q row r, key row c) for R query rows (R x E, row-major)
 // and n key rows (row stride ldk)
 void dot_rows(const float* q, int64_t R, int64_t E, const float* k, int64_t ldk, int64_t n, float* s, int64_t lds,
-              bool far = false);
+              bool far_fetch);
 // the same with bfloat16 (bf16) or float16 key rows, widened in registers
 void dot_rows_16(const float* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
-                 int64_t lds, bool bf16, bool far = false);
+                 int64_t lds, bool bf16, bool far_fetch);
 // s[r * lds + c] = dot(q row r, key row c) with bfloat16 q rows (R x E) and
 // key rows on AVX512-BF16 (vdpbf16ps); false (nothing written) where the
 // path in use lacks it
 bool dot_rows_bf16(const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
-                   int64_t lds, bool far = false);
+                   int64_t lds, bool far_fetch);
 // o[r * ldo + c] += sum over j < n of p[r * ldp + j] v[j * ldv + c] for R rows
 // and Ev columns, each value row read whole in address order; false (nothing
 // written) where the path in use has no such routine. acc_rows_16: bfloat16
 // (bf16) or float16 rows of v widened in registers
 bool acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v, int64_t ldv, int64_t Ev, float* o,
-              int64_t ldo, bool far = false);
+              int64_t ldo, bool far_fetch);
 bool acc_rows_16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev,
-                 float* o, int64_t ldo, bool bf16, bool far = false);
+                 float* o, int64_t ldo, bool bf16, bool far_fetch);
 // dst[i] = float of the bfloat16 / float16 bits src[i] (exact)
 void widen_bf16(const uint16_t* src, int64_t n, float* dst);
 void widen_half(const uint16_t* src, int64_t n, float* dst);

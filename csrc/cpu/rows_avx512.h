@@ -108,14 +108,15 @@ struct RowFetch {
 //   stay in the caches; float16 0.99-1.01x.
 //
 // Far: a call whose K and V would not stay in the caches from one call to the
-// next (over kFarFetchCallBytes, forward_cpu.cpp) also fetches each row's
+// next (over kFromMemoryBytes, forward_cpu.cpp) also fetches each row's
 // bytes kFarAhead further on into L2, so that the L1 fetch a page ahead finds
 // them there rather than in memory. Against none, interleaved in one process
 // (AMD EPYC family 25, 2 threads, 8-32k keys): one float32 row of 32 x 8 x 128
-// heads 1.18-1.22x (K/V at the streaming read), bfloat16 0.97-1.11x; four
+// heads 1.18-1.22x (K/V at the streaming read), bfloat16 1.08-1.11x; four
 // float32 rows of 12 x 64 heads 1.15x; one row of 12 x 64 heads, already at
 // the streaming read, 0.96-1.03x; 16-row routines (their own fetches) 1.00x.
 // Ungated, 16 MiB of K/V that stayed in the caches ran 0.93x: hence the gate.
+// Not in a paged pool: 24 KiB on from a block's rows lies in another block.
 // 12-32 KiB ahead did about the same. docs/performance.md, "Decoding".
 constexpr int64_t kFetchAhead = 4096;
 constexpr int64_t kFarAhead = 24576;
@@ -128,16 +129,18 @@ struct PageFetch {
     block();
     const char* at = static_cast<const char*>(row) + kFetchAhead;
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
-    const char* far = static_cast<const char*>(row) + kFarAhead;
-    for (int64_t b = 0; b < far_bytes; b += 64) _mm_prefetch(far + b, _MM_HINT_T1);
+    if (far_bytes > 0) {
+      const char* on = static_cast<const char*>(row) + kFarAhead;
+      for (int64_t b = 0; b < far_bytes; b += 64) _mm_prefetch(on + b, _MM_HINT_T1);
+    }
   }
   // The fetch of a block's (chunk's) first pass over `rows` adjacent rows
   // `stride` bytes apart from `first` (rows of elements of elem_bytes),
-  // row_bytes of each read, in the form above; with the far fetch where `far`.
+  // row_bytes of each read, in the form above; with the far fetch where far_fetch.
   static PageFetch first_pass(const void* first, int64_t stride, int64_t row_bytes, int64_t rows, int64_t elem_bytes,
-                              bool far) {
+                              bool far_fetch) {
     PageFetch f;
-    if (far) f.far_bytes = row_bytes;
+    if (far_fetch) f.far_bytes = row_bytes;
     if (stride > kPerRowColumns * elem_bytes)
       f.block = RowFetch<_MM_HINT_T0>(static_cast<const char*>(first) + kFetchAhead, stride, row_bytes, 0,
                                       rows * ((row_bytes + 63) / 64), rows);

@@ -193,7 +193,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
                                                                         int64_t R, int64_t E,
                                                                         const typename ScoreKind<kKind>::K* k,
                                                                         int64_t ldk, int64_t n, float* s, int64_t lds,
-                                                                        bool far) {
+                                                                        bool far_fetch) {
   const bool adjacent = ldk == E;
   // float32, and bfloat16 on AVX512-BF16, groups of 16 rows: one a lane (rows_lanes_cpu.cpp)
   int64_t r_t = 0;
@@ -210,7 +210,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
     int64_t ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16);  // rows of the next block
     const int64_t row_bytes = E * static_cast<int64_t>(sizeof(*k));
     // the first pass's page-ahead fetch; later passes take none
-    const PageFetch page = adjacent ? PageFetch::first_pass(k + c0 * ldk, row_bytes, row_bytes, nc, sizeof(*k), far)
+    const PageFetch page = adjacent ? PageFetch::first_pass(k + c0 * ldk, row_bytes, row_bytes, nc, sizeof(*k), far_fetch)
                                     : PageFetch(),
                     none;
     if (!adjacent && !spread)
@@ -428,7 +428,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 template <int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const float* p, int64_t R, int64_t n,
                                                                          int64_t ldp, const void* v, int64_t ldv,
-                                                                         int64_t Ev, float* o, int64_t ldo, bool far) {
+                                                                         int64_t Ev, float* o, int64_t ldo, bool far_fetch) {
   if constexpr (kKind == 0) {  // float32, groups of 16 rows: one a lane (rows_lanes_cpu.cpp)
     const int64_t r_t = rows::acc_rows_lanes(p, R, n, ldp, static_cast<const float*>(v), ldv, Ev, o, ldo);
     if (r_t >= R) return;
@@ -457,7 +457,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
       const bool spread = ldv != Ev && (rb0 == 4 || rb0 == 2);
       // the first pass's page-ahead fetch; later passes take none
       const PageFetch page =
-                          ldv == Ev ? PageFetch::first_pass(vc, ldv_bytes, cols * elem, nj, elem, far) : PageFetch(),
+                          ldv == Ev ? PageFetch::first_pass(vc, ldv_bytes, cols * elem, nj, elem, far_fetch) : PageFetch(),
                       none;
       if (ldv != Ev && !spread) {
         fetch_rows_l2(vc + kValueKeys * ldv_bytes, ldv_bytes, std::exchange(ahead, 0), cols * elem);
@@ -502,63 +502,63 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
 }  // namespace
 
 void dot_rows(const float* q, int64_t R, int64_t E, const float* k, int64_t ldk, int64_t n, float* s, int64_t lds,
-              bool far) {
+              bool far_fetch) {
 #if MHA_X86
-  if (active_isa() >= Isa::kAvx512) return dot_rows_avx512<0>(q, R, E, k, ldk, n, s, lds, far);
+  if (active_isa() >= Isa::kAvx512) return dot_rows_avx512<0>(q, R, E, k, ldk, n, s, lds, far_fetch);
 #endif
   dot_rows_generic(q, R, E, k, ldk, n, s, lds);
 }
 
 void dot_rows_16(const float* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
-                 int64_t lds, bool bf16, bool far) {
+                 int64_t lds, bool bf16, bool far_fetch) {
 #if MHA_X86
   if (active_isa() >= Isa::kAvx512)
-    return bf16 ? dot_rows_avx512<1>(q, R, E, k, ldk, n, s, lds, far)
-                : dot_rows_avx512<2>(q, R, E, k, ldk, n, s, lds, far);
+    return bf16 ? dot_rows_avx512<1>(q, R, E, k, ldk, n, s, lds, far_fetch)
+                : dot_rows_avx512<2>(q, R, E, k, ldk, n, s, lds, far_fetch);
 #endif
   dot_rows_16_generic(q, R, E, k, ldk, n, s, lds, bf16);
 }
 
 bool dot_rows_bf16(const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
-                   int64_t lds, bool far) {
+                   int64_t lds, bool far_fetch) {
 #if MHA_X86
   static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
   if (active_isa() >= Isa::kAvx512 && has_bf16) {
-    dot_rows_avx512<3>(q, R, E, k, ldk, n, s, lds, far);
+    dot_rows_avx512<3>(q, R, E, k, ldk, n, s, lds, far_fetch);
     return true;
   }
 #endif
-  (void)q, (void)R, (void)E, (void)k, (void)ldk, (void)n, (void)s, (void)lds, (void)far;
+  (void)q, (void)R, (void)E, (void)k, (void)ldk, (void)n, (void)s, (void)lds, (void)far_fetch;
   return false;
 }
 
 bool acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v, int64_t ldv, int64_t Ev, float* o,
-              int64_t ldo, bool far) {
+              int64_t ldo, bool far_fetch) {
 #if MHA_X86
   if (active_isa() >= Isa::kAvx512) {
-    acc_rows_avx512<0>(p, R, n, ldp, v, ldv, Ev, o, ldo, far);
+    acc_rows_avx512<0>(p, R, n, ldp, v, ldv, Ev, o, ldo, far_fetch);
     return true;
   }
 #endif
-  (void)p, (void)R, (void)n, (void)ldp, (void)v, (void)ldv, (void)Ev, (void)o, (void)ldo, (void)far;
+  (void)p, (void)R, (void)n, (void)ldp, (void)v, (void)ldv, (void)Ev, (void)o, (void)ldo, (void)far_fetch;
   return false;
 }
 
 bool acc_rows_16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev,
-                 float* o, int64_t ldo, bool bf16, bool far) {
+                 float* o, int64_t ldo, bool bf16, bool far_fetch) {
 #if MHA_X86
   static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
   if (bf16 && active_isa() >= Isa::kAvx512 && has_bf16) {
-    acc_rows_avx512<3>(p, R, n, ldp, v, ldv, Ev, o, ldo, far);
+    acc_rows_avx512<3>(p, R, n, ldp, v, ldv, Ev, o, ldo, far_fetch);
     return true;
   }
   if (active_isa() >= Isa::kAvx512) {
-    bf16 ? acc_rows_avx512<1>(p, R, n, ldp, v, ldv, Ev, o, ldo, far)
-         : acc_rows_avx512<2>(p, R, n, ldp, v, ldv, Ev, o, ldo, far);
+    bf16 ? acc_rows_avx512<1>(p, R, n, ldp, v, ldv, Ev, o, ldo, far_fetch)
+         : acc_rows_avx512<2>(p, R, n, ldp, v, ldv, Ev, o, ldo, far_fetch);
     return true;
   }
 #endif
-  (void)p, (void)R, (void)n, (void)ldp, (void)v, (void)ldv, (void)Ev, (void)o, (void)ldo, (void)bf16, (void)far;
+  (void)p, (void)R, (void)n, (void)ldp, (void)v, (void)ldv, (void)Ev, (void)o, (void)ldo, (void)bf16, (void)far_fetch;
   return false;
 }
 
