@@ -211,7 +211,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
     const int64_t row_bytes = E * static_cast<int64_t>(sizeof(*k));
     // the first pass's page-ahead fetch; later passes take none
     const PageFetch page = adjacent ? PageFetch::first_pass(k + c0 * ldk, row_bytes, row_bytes, nc, sizeof(*k), far_fetch)
-                                    : PageFetch(),
+                                    : PageFetch::strided(far_fetch, ldk * static_cast<int64_t>(sizeof(*k)), row_bytes),
                     none;
     if (!adjacent && !spread)
       fetch_rows_l2(k + (c0 + 16) * ldk, ldk * static_cast<int64_t>(sizeof(*k)), std::exchange(ahead, 0),
@@ -457,7 +457,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
       const bool spread = ldv != Ev && (rb0 == 4 || rb0 == 2);
       // the first pass's page-ahead fetch; later passes take none
       const PageFetch page =
-                          ldv == Ev ? PageFetch::first_pass(vc, ldv_bytes, cols * elem, nj, elem, far_fetch) : PageFetch(),
+                          ldv == Ev ? PageFetch::first_pass(vc, ldv_bytes, cols * elem, nj, elem, far_fetch)
+                                    : PageFetch::strided(far_fetch, ldv_bytes, cols * elem),
                       none;
       if (ldv != Ev && !spread) {
         fetch_rows_l2(vc + kValueKeys * ldv_bytes, ldv_bytes, std::exchange(ahead, 0), cols * elem);
