@@ -32,6 +32,19 @@ for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16
     q, k, v = torch.randn(2, 8, 2, 40).to(dtype), torch.randn(2, 2, 700, 40).to(dtype), torch.randn(2, 2, 700, 24).to(dtype)
     out = torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, True)[0]
     torch.testing.assert_close(out.double(), R.attention(q, k, v, enable_gqa=True), rtol=tol, atol=tol)
+# bfloat16 decode with 8-16 rows a key/value head and head dims that are multiples of 32 (on AMX the
+# tile routines): ragged key counts, value dims below / above the key dim, K and V rows strided as in a
+# (B, S, H, D) cache, a boolean mask with a row that sees no key, causal rows
+for (G, L, E, Ev, S) in ((8, 2, 128, 128, 777), (4, 2, 64, 32, 33), (16, 1, 256, 256, 300), (4, 3, 96, 160, 520)):
+    q = torch.randn(2, 2 * G, L, E).bfloat16()
+    k = torch.randn(2, S, 2, E).bfloat16().transpose(1, 2)
+    v = torch.randn(2, 2, S, Ev).bfloat16()
+    m = torch.rand(2, 1, L, S) > 0.3
+    m[1, 0, L - 1] = False
+    for mask, causal in ((None, False), (m, False), (None, True)):
+        out = torch.ops.mha_ext.attention(q, k, v, mask, 0.0, causal, None, True)[0]
+        ref = R.attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
 # masks applied in place on every path: bool and float (-inf, a row of -inf, finfo.min entries)
 # with a row left with no key, on a ragged last column block (37 keys) and on the decode path's rows
 for L, S in ((37, 37), (3, 300)):

@@ -75,6 +75,20 @@ float amx_exp2_sub_sum_bf16(const float* x, int64_t n, float mul, float sub, uin
 // beyond n and columns beyond cols (up to cols_pad) are zero
 void amx_pack_row_pairs(const uint16_t* src, int64_t rs, int64_t n, int64_t cols, int64_t n_pad, int64_t cols_pad,
                         int64_t ld, uint16_t* dst);
+// The decode kernel's products on the tile unit (Isa::kAmx; false, nothing
+// written, on another path or where E or Ev is not a multiple of 32 up to
+// 256, or R over 16). Query rows as Q^T pairs: dst (E / 2 rows of 32 bf16) row t =
+// q[0][2t], q[0][2t + 1], q[1][2t], ... for R <= 16 rows of q (R x E), zero
+// for rows R..15.
+void amx_pack_query_pairs(const uint16_t* q, int64_t R, int64_t E, uint16_t* dst);
+// s[r * lds + c] = dot(q row r, key row c) for all 16 rows of q_pairs (s has
+// room for 16 rows) and n key rows (bfloat16, row stride ldk)
+bool amx_dot_rows_bf16(const uint16_t* q_pairs, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
+                       int64_t lds);
+// o[r * ldo + c] += sum over j < n of bf16(p[r * ldp + j]) v[j * ldv + c] for
+// R rows and Ev columns (P rounded to bfloat16, as the other bfloat16 paths)
+bool amx_acc_rows_bf16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv,
+                       int64_t Ev, float* o, int64_t ldo);
 
 // dst[c * ldd + r] = src[r * ld + c]: a (rows x cols) tile, transposed (ldd >= rows)
 void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst, int64_t ldd);
