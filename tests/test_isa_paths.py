@@ -35,7 +35,8 @@ for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16
 # bfloat16 decode with 8-16 rows a key/value head and head dims that are multiples of 32 (on AMX the
 # tile routines): ragged key counts, value dims below / above the key dim, K and V rows strided as in a
 # (B, S, H, D) cache, a boolean mask with a row that sees no key, causal rows
-for (G, L, E, Ev, S) in ((8, 2, 128, 128, 777), (4, 2, 64, 32, 33), (16, 1, 256, 256, 300), (4, 3, 96, 160, 520)):
+for (G, L, E, Ev, S) in ((8, 2, 128, 128, 777), (4, 2, 64, 32, 33), (16, 1, 256, 256, 300), (4, 3, 96, 160, 520),
+                         (8, 1, 32, 64, 95), (4, 4, 192, 96, 260)):
     q = torch.randn(2, 2 * G, L, E).bfloat16()
     k = torch.randn(2, S, 2, E).bfloat16().transpose(1, 2)
     v = torch.randn(2, 2, S, Ev).bfloat16()

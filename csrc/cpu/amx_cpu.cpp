@@ -34,7 +34,8 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3: C, 16 x 16 float; 4-5: A, 16 rows x 32 bf16; 6-7: B, 16 pair rows x 16 columns.
+// Every tile 16 rows x 64 bytes: C 16 x 16 float, A 16 rows x 32 bf16, B 16
+// pair rows x 16 columns (which tile holds which: each routine's comment).
 __attribute__((target("amx-tile"))) void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
@@ -159,30 +160,34 @@ __attribute__((always_inline)) inline void fetch_ahead(const uint16_t* first, in
 // halves of 16 key rows (tiles 2 and 3; a ragged last step from a
 // zero-padded copy: a tile load reads 16 rows), then transposed into S.
 // Q^T's 32-column pieces stay in tiles 4-7 for the call where E <= 128, else
-// each is loaded into tile 4 at its piece.
-template <int kSteps>  // E / 32 where E <= 128, else 0
+// each is loaded into tile 4 at its piece. fetch: the page-ahead fetch of
+// adjacent rows (not in a paged pool, whose next page is another block).
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const uint16_t* q_pairs, int64_t E,
                                                                        const uint16_t* k, int64_t ldk, int64_t n,
-                                                                       float* s, int64_t lds) {
+                                                                       float* s, int64_t lds, bool fetch) {
   configure_tiles();
-  if (kSteps > 0) _tile_loadd(4, q_pairs, 64);
-  if (kSteps > 1) _tile_loadd(5, q_pairs + 512, 64);
-  if (kSteps > 2) _tile_loadd(6, q_pairs + 1024, 64);
-  if (kSteps > 3) _tile_loadd(7, q_pairs + 1536, 64);
+  const bool resident = E <= 128;  // Q^T's pieces in tiles 4-7 for the call
+  if (resident) {
+    _tile_loadd(4, q_pairs, 64);
+    if (E > 32) _tile_loadd(5, q_pairs + 512, 64);
+    if (E > 64) _tile_loadd(6, q_pairs + 1024, 64);
+    if (E > 96) _tile_loadd(7, q_pairs + 1536, 64);
+  }
   alignas(64) float st[32 * 16];
-  alignas(64) uint16_t tail[32 * 256];  // E <= 256 (the caller's limit)
+  thread_local std::vector<uint16_t> tail;  // a ragged last step's rows, zero-padded to 32
   const int64_t row_bytes = E * 2;
   for (int64_t j0 = 0; j0 < n; j0 += 32) {
     const int64_t nk = std::min<int64_t>(32, n - j0);
     const uint16_t* a = k + j0 * ldk;
     int64_t lda = ldk;
     if (nk < 32) {
-      std::memset(tail, 0, 32 * row_bytes);
-      for (int64_t j = 0; j < nk; ++j) std::memcpy(tail + j * E, a + j * ldk, row_bytes);
-      a = tail;
+      tail.assign(32 * E, 0);
+      for (int64_t j = 0; j < nk; ++j) std::memcpy(tail.data() + j * E, a + j * ldk, row_bytes);
+      a = tail.data();
       lda = E;
+    } else if (fetch && ldk == E) {
+      fetch_ahead(a, 32 * row_bytes);
     }
-    if (ldk == E) fetch_ahead(a, 32 * row_bytes);
     const uint16_t* a1 = a + 16 * lda;
     const int64_t sa = lda * 2;
     _tile_zero(0);
@@ -190,7 +195,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const u
     // piece i of E's 32-column pieces against Q^T's piece in tile b (4 + i;
     // the tile intrinsics take the number as written)
 #define MHA_AMX_KEY_PIECE(i, b)              \
-  if (kSteps > i) {                          \
+  if (resident && E > 32 * i) {              \
     _tile_loadd(2, a + 32 * i, sa);          \
     _tile_loadd(3, a1 + 32 * i, sa);         \
     _tile_dpbf16ps(0, 2, b);                 \
@@ -201,7 +206,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const u
     MHA_AMX_KEY_PIECE(2, 6)
     MHA_AMX_KEY_PIECE(3, 7)
 #undef MHA_AMX_KEY_PIECE
-    if (kSteps == 0) {
+    if (!resident) {
       for (int64_t e = 0; e < E; e += 32) {
         _tile_loadd(4, q_pairs + e * 16, 64);
         _tile_loadd(2, a + e, sa);
@@ -220,10 +225,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const u
 // rounded to bfloat16 into a, V's rows as 32 pair rows into pairs.
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void pack_values(
     const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev, int64_t j0,
-    uint16_t (*a)[16 * 32], uint16_t* pairs) {
+    bool fetch, uint16_t (*a)[16 * 32], uint16_t* pairs) {
   const int64_t row_bytes = Ev * 2, pair_ld = 2 * Ev;
   const int64_t nk = std::min<int64_t>(64, n - j0);
-  if (ldv == Ev) fetch_ahead(v + j0 * ldv, nk * row_bytes);
+  if (fetch && ldv == Ev && nk == 64) fetch_ahead(v + j0 * ldv, nk * row_bytes);
   for (int64_t h = 0; h < (nk + 31) / 32; ++h) {
     const int64_t jb = j0 + 32 * h, nh = std::min<int64_t>(32, n - jb);
     pack_float_rows(p + jb, ldp, R, nh, 16, 32, a[h]);
@@ -251,10 +256,15 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void pack_values
 // keeps that order (from O and back by a permutation at the call's ends).
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) void acc_rows_tiles(
     const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev, float* o,
-    int64_t ldo) {
+    int64_t ldo, bool fetch) {
   configure_tiles();
-  alignas(64) float c[16 * 256];                 // Ev <= 256 (the caller's limit)
-  alignas(64) uint16_t pairs[2 * 32 * 2 * 256];  // two steps of 32 pair rows
+  // the C buffer (16 x Ev) and two steps of 32 pair rows (2 Ev each), per thread
+  thread_local Buffer<float> c_buf;
+  thread_local Buffer<uint16_t> pair_buf;
+  c_buf.resize(16 * Ev);
+  pair_buf.resize(2 * 32 * 2 * Ev);
+  float* c = c_buf.data();
+  uint16_t* pairs = pair_buf.data();
   alignas(64) uint16_t a[2][2][16 * 32];
   alignas(64) static const int32_t to_lo[16] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
   alignas(64) static const int32_t to_hi[16] = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
@@ -274,10 +284,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) void acc_rows_tile
   // tile unit reads them: a tile load of bytes just stored by vector
   // stores waited for them, about 15 ns a tile here)
   const int64_t step_pairs = 32 * pair_ld;  // a step's pair rows
-  pack_values(p, R, n, ldp, v, ldv, Ev, 0, a[0], pairs);
+  pack_values(p, R, n, ldp, v, ldv, Ev, 0, fetch, a[0], pairs);
   for (int64_t j0 = 0, step = 0; j0 < n; j0 += 64, ++step) {
     if (j0 + 64 < n)
-      pack_values(p, R, n, ldp, v, ldv, Ev, j0 + 64, a[(step + 1) % 2], pairs + (step + 1) % 2 * step_pairs);
+      pack_values(p, R, n, ldp, v, ldv, Ev, j0 + 64, fetch, a[(step + 1) % 2], pairs + (step + 1) % 2 * step_pairs);
     const int64_t pieces = (std::min<int64_t>(64, n - j0) + 31) / 32, buf = step % 2;
     for (int64_t t = 0; t < Ev; t += 64) {
       const int64_t nt = std::min<int64_t>(4, (Ev - t) / 16);
@@ -353,6 +363,7 @@ void amx_pack_row_pairs(const uint16_t* src, int64_t rs, int64_t n, int64_t cols
 }
 
 void amx_pack_query_pairs(const uint16_t* q, int64_t R, int64_t E, uint16_t* dst) {
+  if (R > 16) return;  // (the decode kernel's rows a head: at most 16)
   // a pair q[r][2t], q[r][2t + 1] is one 32-bit word: (R x E / 2 words)^T, as
   // floats (the transpose moves their bits unchanged)
   if (R < 16) std::memset(dst, 0, E * 16 * sizeof(uint16_t));
@@ -360,22 +371,16 @@ void amx_pack_query_pairs(const uint16_t* q, int64_t R, int64_t E, uint16_t* dst
 }
 
 bool amx_dot_rows_bf16(const uint16_t* q_pairs, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
-                       int64_t lds) {
+                       int64_t lds, bool fetch) {
   if (active_isa() != Isa::kAmx || E % 32 != 0 || E > 256) return false;
-  switch (E) {
-    case 32: dot_rows_tiles<1>(q_pairs, E, k, ldk, n, s, lds); break;
-    case 64: dot_rows_tiles<2>(q_pairs, E, k, ldk, n, s, lds); break;
-    case 96: dot_rows_tiles<3>(q_pairs, E, k, ldk, n, s, lds); break;
-    case 128: dot_rows_tiles<4>(q_pairs, E, k, ldk, n, s, lds); break;
-    default: dot_rows_tiles<0>(q_pairs, E, k, ldk, n, s, lds);
-  }
+  dot_rows_tiles(q_pairs, E, k, ldk, n, s, lds, fetch);
   return true;
 }
 
 bool amx_acc_rows_bf16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv,
-                       int64_t Ev, float* o, int64_t ldo) {
+                       int64_t Ev, float* o, int64_t ldo, bool fetch) {
   if (active_isa() != Isa::kAmx || Ev % 32 != 0 || Ev > 256 || R > 16) return false;
-  acc_rows_tiles(p, R, n, ldp, v, ldv, Ev, o, ldo);
+  acc_rows_tiles(p, R, n, ldp, v, ldv, Ev, o, ldo, fetch);
   return true;
 }
 
@@ -387,10 +392,11 @@ void amx_gemm_bf16(int64_t, int64_t, int64_t, const uint16_t*, int64_t, const ui
 void amx_pack_float_rows(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
 void amx_pack_row_pairs(const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
 void amx_pack_query_pairs(const uint16_t*, int64_t, int64_t, uint16_t*) {}
-bool amx_dot_rows_bf16(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t) {
+bool amx_dot_rows_bf16(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t, bool) {
   return false;
 }
-bool amx_acc_rows_bf16(const float*, int64_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t) {
+bool amx_acc_rows_bf16(const float*, int64_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t,
+                       bool) {
   return false;
 }
 

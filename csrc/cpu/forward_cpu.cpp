@@ -53,8 +53,9 @@ constexpr int64_t kDecodeItems = 64;  // enough work items for 64 threads
 constexpr int64_t kGroupBytes = 32 * 1024;
 // bfloat16 rows a key/value head from which the AMX tile routines take the
 // products: against the AVX512-BF16 ones, interleaved (Intel Xeon with AMX,
-// 2 threads, head dims 64 and 128, 512-32k keys): 8 rows 1.19-1.45x, 12 rows
-// 1.74x, 16 rows 1.44-1.95x; 4 rows 0.89-0.91x
+// 2 threads, head dims 64 and 128, adjacent rows, 512-32k keys): 8 rows
+// 1.19-1.45x, 12 rows 1.74x, 16 rows 1.44-1.95x; 4 rows 0.89-0.91x (other
+// row counts, head dims and strided or paged rows not timed)
 constexpr int64_t kAmxDecodeRows = 8;
 // K and V bytes of a call above which they are taken to come from memory
 // (they would not stay in a 32 MiB last-level cache from one call to the
@@ -102,7 +103,9 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   // and float16 with more than 8 rows a head too, once bound by arithmetic
   // and left out: since the 16-row routines fetch strided rows spread over
   // their steps, split-major ran bfloat16 with 12 and 16 rows 1.10-1.30x and
-  // float16 with 16 rows 1.15-1.20x (docs/performance.md, "Decoding on a newer CPU").
+  // float16 with 16 rows 1.15-1.20x (docs/performance.md, "Decoding on a newer CPU";
+  // on AMX the bfloat16 rows of 8 or more take the tile routines, which
+  // fetch no strided rows: that order with them is not timed).
   const int64_t kv_bytes =
       heads * std::max<int64_t>(kv_end - kv_begin, 0) * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t));
   const bool heads_in_rows = Hkv > 1 && p.k_stride.h < p.k_stride.row && p.v_stride.h < p.v_stride.row &&
@@ -263,7 +266,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         bool scored = false;
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // bfloat16 pairs on AMX or AVX512-BF16, then the scale
           if ((amx_rows && cpu::amx_dot_rows_bf16(q_pairs.data(), E, reinterpret_cast<const uint16_t*>(k_tile),
-                                                  p.k_stride.row, n, s, n)) ||
+                                                  p.k_stride.row, n, s, n, p.block_table == nullptr)) ||
               (p.k_stride.col == 1 &&
               cpu::dot_rows_bf16(q_bits.data(), R, E, reinterpret_cast<const uint16_t*>(k_tile), p.k_stride.row, n, s,
                                  n, far_fetch))) {
@@ -312,7 +315,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
           bool done = false;
           if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
             done = amx_rows && cpu::amx_acc_rows_bf16(s, R, n, n, reinterpret_cast<const uint16_t*>(v_tile),
-                                                      p.v_stride.row, Ev, o, Ev);
+                                                      p.v_stride.row, Ev, o, Ev, p.block_table == nullptr);
           if (done) continue;
           if constexpr (kHalfBits)
             done = cpu::acc_rows_16(s, R, n, n, reinterpret_cast<const uint16_t*>(v_tile), p.v_stride.row, Ev, o, Ev,

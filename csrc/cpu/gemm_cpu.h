@@ -21,10 +21,32 @@
 // the CPU has (tests run each path that way); unset, the best it has is used.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <new>
+#include <vector>
 
 namespace mha_ext {
 namespace cpu {
+
+// Per-thread buffers start on a cache line (64 bytes): std::vector's storage
+// is only 16-byte aligned, and a misaligned start makes every zmm load of a
+// packed tile span two lines.
+template <typename T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <typename U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* ptr, std::size_t) { ::operator delete(ptr, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const LineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using Buffer = std::vector<T, LineAllocator<T>>;
 
 enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
 inline bool operator>=(Isa a, Isa b) { return static_cast<int>(a) >= static_cast<int>(b); }
@@ -79,16 +101,17 @@ void amx_pack_row_pairs(const uint16_t* src, int64_t rs, int64_t n, int64_t cols
 // written, on another path or where E or Ev is not a multiple of 32 up to
 // 256, or R over 16). Query rows as Q^T pairs: dst (E / 2 rows of 32 bf16) row t =
 // q[0][2t], q[0][2t + 1], q[1][2t], ... for R <= 16 rows of q (R x E), zero
-// for rows R..15.
+// for rows R..15 (nothing written for R over 16).
 void amx_pack_query_pairs(const uint16_t* q, int64_t R, int64_t E, uint16_t* dst);
 // s[r * lds + c] = dot(q row r, key row c) for all 16 rows of q_pairs (s has
-// room for 16 rows) and n key rows (bfloat16, row stride ldk)
+// room for 16 rows) and n key rows (bfloat16, row stride ldk). fetch: fetch
+// adjacent rows a page ahead (not in a paged pool)
 bool amx_dot_rows_bf16(const uint16_t* q_pairs, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
-                       int64_t lds);
+                       int64_t lds, bool fetch);
 // o[r * ldo + c] += sum over j < n of bf16(p[r * ldp + j]) v[j * ldv + c] for
 // R rows and Ev columns (P rounded to bfloat16, as the other bfloat16 paths)
 bool amx_acc_rows_bf16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv,
-                       int64_t Ev, float* o, int64_t ldo);
+                       int64_t Ev, float* o, int64_t ldo, bool fetch);
 
 // dst[c * ldd + r] = src[r * ld + c]: a (rows x cols) tile, transposed (ldd >= rows)
 void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst, int64_t ldd);

@@ -176,25 +176,8 @@ struct RowOps<double> {
   }
 };
 
-// ---------------------------------------------------------------------------
-// Per-thread buffers start on a cache line (64 bytes): std::vector's storage
-// is only 16-byte aligned, and a misaligned start makes every zmm load of a
-// packed tile span two lines.
-template <typename T>
-struct LineAllocator {
-  using value_type = T;
-  LineAllocator() = default;
-  template <typename U>
-  LineAllocator(const LineAllocator<U>&) {}
-  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
-  void deallocate(T* ptr, std::size_t) { ::operator delete(ptr, std::align_val_t(64)); }
-  template <typename U>
-  bool operator==(const LineAllocator<U>&) const { return true; }
-  template <typename U>
-  bool operator!=(const LineAllocator<U>&) const { return false; }
-};
-template <typename T>
-using Buffer = std::vector<T, LineAllocator<T>>;
+// Per-thread buffers: cpu::Buffer (gemm_cpu.h), on a cache line.
+using cpu::Buffer;
 
 template <typename scalar_t, typename acc_t>
 constexpr bool tile_needs_pack(int64_t col_stride) {
