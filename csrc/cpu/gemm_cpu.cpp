@@ -347,13 +347,22 @@ __attribute__((target("avx512f,fma"))) inline __m512 exp2_512(__m512 x) {
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
+// fl(mul x) as an instruction of its own: an explicit rounding mode keeps the
+// compiler from fusing it with the difference below (-ffp-contract)
+__attribute__((target("avx512f"), always_inline)) inline __m512 mul_rounded(__m512 a, __m512 b) {
+  return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+// mul x - sub in two roundings, not one fused: the callers take a row's max
+// as fl(mul max x) (the scale folded into the exponential on AMX), and only
+// fl(mul x) - that max is exactly 0 at the max. Fused, logits of 1e10 and up
+// in bfloat16 left the max at 2^(+-512): inf or 0, and NaN rows.
 __attribute__((target("avx512f,fma"))) float exp2_sub_sum_avx512(float* x, int64_t n, float mul, float sub) {
   const __m512 vs = _mm512_set1_ps(sub), vm = _mm512_set1_ps(mul);
   __m512 s0 = _mm512_setzero_ps(), s1 = s0;
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    const __m512 y0 = exp2_512(_mm512_fmsub_ps(vm, _mm512_loadu_ps(x + i), vs));
-    const __m512 y1 = exp2_512(_mm512_fmsub_ps(vm, _mm512_loadu_ps(x + i + 16), vs));
+    const __m512 y0 = exp2_512(_mm512_sub_ps(mul_rounded(vm, _mm512_loadu_ps(x + i)), vs));
+    const __m512 y1 = exp2_512(_mm512_sub_ps(mul_rounded(vm, _mm512_loadu_ps(x + i + 16)), vs));
     _mm512_storeu_ps(x + i, y0);
     _mm512_storeu_ps(x + i + 16, y1);
     s0 = _mm512_add_ps(s0, y0);
@@ -361,7 +370,7 @@ __attribute__((target("avx512f,fma"))) float exp2_sub_sum_avx512(float* x, int64
   }
   for (; i < n; i += 16) {
     const __mmask16 k = tail_mask16(n - i);
-    const __m512 y = exp2_512(_mm512_fmsub_ps(vm, _mm512_maskz_loadu_ps(k, x + i), vs));
+    const __m512 y = exp2_512(_mm512_sub_ps(mul_rounded(vm, _mm512_maskz_loadu_ps(k, x + i)), vs));
     _mm512_mask_storeu_ps(x + i, k, y);
     s0 = _mm512_add_ps(s0, _mm512_maskz_mov_ps(k, y));
   }
@@ -376,7 +385,8 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl,fma"))) float exp2_s
   int64_t i = 0;
   for (; i < n; i += 16) {
     const __mmask16 k = tail_mask16(n - i);
-    const __m512 y = _mm512_maskz_mov_ps(k, exp2_512<true>(_mm512_fmsub_ps(vm, _mm512_maskz_loadu_ps(k, x + i), vs)));
+    const __m512 d = _mm512_sub_ps(mul_rounded(vm, _mm512_maskz_loadu_ps(k, x + i)), vs);
+    const __m512 y = _mm512_maskz_mov_ps(k, exp2_512<true>(d));
     sum = _mm512_add_ps(sum, y);
     const __m256bh h = _mm512_cvtneps_pbh(y);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<const __m256i&>(h));

@@ -115,8 +115,9 @@ bool amx_acc_rows_bf16(const float* p, int64_t R, int64_t n, int64_t ldp, const 
 
 // dst[c * ldd + r] = src[r * ld + c]: a (rows x cols) tile, transposed (ldd >= rows)
 void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst, int64_t ldd);
-// x[i] = 2^(mul x[i] - sub) (0 below -125, NaN stays NaN; on AVX-512 the
-// product and difference in one rounding); returns the sum
+// x[i] = 2^(fl(mul x[i]) - sub) (0 below -125, NaN stays NaN; the product
+// rounded before the difference, so a row's max taken as fl(mul max) gives
+// exactly 2^0); returns the sum
 float exp2_sub_sum(float* x, int64_t n, float mul, float sub);
 
 // rows_cpu.cpp, for the decode kernel (far_fetch: the far fetch of
