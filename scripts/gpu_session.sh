@@ -19,7 +19,10 @@
 # 122 s, the 303 CUDA cases 89 s at -n 8 (64 s of it running them), the quick bench 23 s, and the suite reached 45% of its
 # cases in 230 s (Intel Xeon, 14 workers; two crashed workers cost part of that): a 15-minute lease
 # fits `MHA_NCU=0 bash scripts/gpu_session.sh 110 60 300` in one call of about 9.5 minutes, with no
-# time left for a second start (one needs 4 minutes of lease left).
+# time left for a second start (one needs 4 minutes of lease left). On an H100 (2026-11-28) the same
+# call took 588 s, the suite reaching 66%. What is left of a lease after it, while the machine is
+# still warm (it waits 30 s for the next call), fits bench/cuda_ab.py: versions of the plain forward
+# kernel side by side without the extension's build (about 30 s a call).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}; mkdir -p "$out"

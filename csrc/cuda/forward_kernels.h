@@ -61,6 +61,8 @@ MHA_KERNEL attention_fwd_kernel(const AttentionFwdParams params) {
   if (i0 >= L) return;  // a block past a shorter sequence's rows (varlen)
   const A rescale = static_cast<A>(p.dropout.rescale);
   const A scale = static_cast<A>(p.scale);
+  // the scale in the softmax's units, rounded once (fma_scores)
+  const A scale_units = Units::scaled(A(1), scale);
   const DropoutKey key = dropout_key(p.dropout);
   // float on the tensor cores keeps P in registers too (pv_tf32) at head dim
   // 64 (at 128 and 256 the unrolled P V spilled: 16 and 52 bytes on sm_80);
@@ -107,12 +109,40 @@ MHA_UNROLL
   // lookups cost it registers it has not got).
   const T* k_head = as<T>(p.k) + (kPlain ? b * p.k_stride.b + hk * p.k_stride.h : 0);
   const T* v_head = as<T>(p.v) + (kPlain ? b * p.v_stride.b + hk * p.v_stride.h : 0);
+  // The plain kernel's K and V tiles at head dim 64 (load_whole_tile_async):
+  // what makes a tile whole but its rows, checked once
+  constexpr bool kWholeCopies = kPlain && sizeof(T) == 2 && kHeadDim <= 64;
+  auto whole_ok = [&](const T* head, int64_t rs, int64_t cs, int64_t cols) {
+    if constexpr (kWholeCopies) {
+      return cs == 1 && (rs * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
+             reinterpret_cast<uintptr_t>(head) % 16 == 0 && cols == kHeadDim &&
+             whole_tile_rounds_even<T, kN, kHeadDim>();
+    }
+    return false;
+  };
+  const bool k_whole = whole_ok(k_head, p.k_stride.row, p.k_stride.col, p.head_dim);
+  const bool v_whole = whole_ok(v_head, p.v_stride.row, p.v_stride.col, p.head_dim_v);
   auto issue = [&](int64_t j, int st) {
     T* k_dst = kv_s + 2 * st * kN * kLd;
     const int64_t k_off = kPlain ? j * p.k_stride.row : p.kv_offset(p.k_stride, b, hk, j);
     const int64_t v_off = kPlain ? j * p.v_stride.row : p.kv_offset(p.v_stride, b, hk, j);
-    copy_tile(k_dst, kN, k_head + k_off, p.k_stride.row, p.k_stride.col, S - j, p.head_dim);
-    copy_tile(k_dst + kN * kLd, kN, v_head + v_off, p.v_stride.row, p.v_stride.col, S - j, p.head_dim_v);
+    if constexpr (kWholeCopies) {
+      const bool rows_whole = S - j >= kN;
+      if (k_whole && rows_whole) {
+        load_whole_tile_async<T, kN, kHeadDim>(k_dst, kLd, k_head + k_off, p.k_stride.row);
+      } else {
+        load_tile_async<T>(k_dst, kLd, kN, kHeadDim, k_head + k_off, p.k_stride.row, p.k_stride.col, S - j, p.head_dim);
+      }
+      if (v_whole && rows_whole) {
+        load_whole_tile_async<T, kN, kHeadDim>(k_dst + kN * kLd, kLd, v_head + v_off, p.v_stride.row);
+      } else {
+        load_tile_async<T>(k_dst + kN * kLd, kLd, kN, kHeadDim, v_head + v_off, p.v_stride.row, p.v_stride.col, S - j,
+                           p.head_dim_v);
+      }
+    } else {
+      copy_tile(k_dst, kN, k_head + k_off, p.k_stride.row, p.k_stride.col, S - j, p.head_dim);
+      copy_tile(k_dst + kN * kLd, kN, v_head + v_off, p.v_stride.row, p.v_stride.col, S - j, p.head_dim_v);
+    }
     cp_async_commit();
   };
   stream_tiles<kStages>(j_first, kv_end, kN, issue, [&](int64_t j0, int stage) {
@@ -148,9 +178,9 @@ MHA_UNROLL
     // S = Q K^T (16-bit operands by ldmatrix: Q rows as A, K rows as B)
     if constexpr (sizeof(T) == 2) {
       if (kRT == 1 || live[kRT - 1]) {
-        warp_mma16<T, kRT, kNT>(s, Tile2<T>{q_w, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane, scalar);
+        warp_mma16<T, kRT, kNT, kPlain>(s, Tile2<T>{q_w, kLd, 1}, Tile2<T>{k_s, 1, kLd}, kHeadDim, lane, scalar);
       } else {  // the warp's last row tile sees nothing here (a decode step's one row): its products skipped
-        warp_mma16<T, 1, kNT>(reinterpret_cast<A(&)[1][kNT][4]>(s[0]), Tile2<T>{q_w, kLd, 1}, Tile2<T>{k_s, 1, kLd},
+        warp_mma16<T, 1, kNT, kPlain>(reinterpret_cast<A(&)[1][kNT][4]>(s[0]), Tile2<T>{q_w, kLd, 1}, Tile2<T>{k_s, 1, kLd},
                               kHeadDim, lane, scalar);
       }
     } else {
@@ -176,18 +206,10 @@ MHA_UNROLL
       // is never written, so a decode step's one row, or a GQA group packed
       // into fewer than 16 rows, still takes the interior path)
       const bool interior = interior_tile(p, iw0, iw0 + 15 < L ? iw0 + 15 : L - 1, j0, j0 + kN - 1);
-      const bool fast = plain_scores<T>(sr, interior, scale);
-      if constexpr (std::is_same_v<A, float>) {
-        if (fast) {
-MHA_UNROLL
-          for (int t = 0; t < kNT; ++t)
-MHA_UNROLL
-            for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], sr[t][e]);
-          // scale > 0 and rounding is monotonic: the scaled max is the max scaled
-          tile_max[0] = Units::scaled(tile_max[0], scale);
-          tile_max[1] = Units::scaled(tile_max[1], scale);
-        }
-      }
+      // (fast: the maxima in the softmax's units; the scores stay raw, for
+      // the FMA below or, where fma_scores declines, the exact paths)
+      const bool fast = fma_scores<T>(sr, interior, scale_units, tile_max);
+      if (!fast) tile_max[0] = tile_max[1] = A(-INFINITY);
       if (!fast && interior && !kPlain) {
 MHA_UNROLL
         for (int t = 0; t < kNT; ++t)
@@ -257,15 +279,14 @@ MHA_UNROLL
       };
       if (fast) {  // m_r is finite here (or NaN from an earlier tile, which the row keeps)
         if constexpr (sizeof(T) == 2) {
-          // the scaled score rounded before the subtraction (no FMA): the row's
-          // max key then gets exactly 2^0, whatever the magnitude of its score
+          // one FMA a score (fma_scores: the row max's key within 2^-15 of 2^0)
 MHA_UNROLL
           for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
             for (int e = 0; e < 4; e += 2) {
               const A m = m_r[e / 2];
-              take(t, e, softmax_exp2<T>(Units::scaled(sr[t][e], scale) - m),
-                   softmax_exp2<T>(Units::scaled(sr[t][e + 1], scale) - m));
+              take(t, e, softmax_exp2<T>(ffma(sr[t][e], scale_units, -m)),
+                   softmax_exp2<T>(ffma(sr[t][e + 1], scale_units, -m)));
             }
         }
       } else {

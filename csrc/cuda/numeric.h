@@ -111,6 +111,9 @@ inline float fmul_rn(float a, float b) {
 }
 #endif
 
+// a * b + c rounded once (an FMA, also in the emulation: std::fmaf)
+MHA_DEVICE float ffma(float a, float b, float c) { return fmaf(a, b, c); }
+
 // 2^x for a softmax probability of element type T. For float16 / bfloat16,
 // whose P the tensor cores take rounded to 11 / 8 bits, the hardware's
 // approximation (ex2.approx.ftz: about 2 ulp of float, results below 2^-126

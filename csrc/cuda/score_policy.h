@@ -102,6 +102,37 @@ MHA_UNROLL
   return false;
 }
 
+// The forward's plain softmax with the scale folded into one FMA a score
+// (float16 / bfloat16, an interior tile as plain_scores asks, scale > 0):
+// each probability is exp2(fma(s, c, -m)), with c = scale log2(e) rounded
+// once (scaled(1, scale)) and m the row's running max in those units, where
+// the exact path takes two multiplies and a subtraction. Allowed when the
+// lane's max of each of its two rows' raw dot products (max.NaN: a NaN score
+// fails), times c, lies within +-kFmaScoreMax on every lane (a vote: the
+// warp stays on one path); row_max then holds those two maxima times c. So
+// a row's max key is exp2 of the FMA's one rounding of fl(s c) - s c, within
+// 2^-15 of 2^0 (the exact path: exactly 2^0), and the backward, which
+// recomputes the scores as scaled(s, scale), is within 2^-14 of these in
+// the exponent at the keys that count; a score of -inf, or one far below
+// the max, gives 0 as there. Larger maxima, and +-inf, take the exact path.
+constexpr float kFmaScoreMax = 512.0f;
+template <typename T, int N, typename A>
+MHA_DEVICE bool fma_scores(const A (&s)[N][4], bool interior, A c, A (&row_max)[2]) {
+  if constexpr (sizeof(T) == 2) {
+    if (!interior || !(c > A(0))) return false;
+    // two chains a row (even and odd t), half as long as one
+    A m[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};
+MHA_UNROLL
+    for (int t = 0; t < N; ++t)
+MHA_UNROLL
+      for (int e = 0; e < 4; ++e) m[e / 2][t % 2] = nan_max(m[e / 2][t % 2], s[t][e]);
+    row_max[0] = fmul_rn(nan_max(m[0][0], m[0][1]), c);
+    row_max[1] = fmul_rn(nan_max(m[1][0], m[1][1]), c);
+    return vote_all(fabsf(row_max[0]) <= kFmaScoreMax && fabsf(row_max[1]) <= kFmaScoreMax);  // false for NaN
+  }
+  return false;
+}
+
 // d(score) / d(scale * dot product): the softcap's 1 - tanh^2, else 1.
 template <typename A>
 MHA_DEVICE A score_slope(const AttentionFwdParams& p, A s) {

@@ -268,14 +268,25 @@ MHA_UNROLL
   }
 }
 
-// acc += A B over K (a multiple of 16), k step by k step.
-template <typename T, int kRT, int NT>
+// acc += A B over K (a multiple of 16), k step by k step. kPairs (K a
+// multiple of 32): two k steps a pass, the plain forward kernel's S = Q K^T,
+// where it took the forward 0.95-1.01 of the time of one a pass at head dim
+// 128 and 0.99-1.01 at 64 on an H200 (bench/cuda_ab.py, 2026-11-28).
+template <typename T, int kRT, int NT, bool kPairs = false>
 MHA_DEVICE void warp_mma16(float (&acc)[kRT][NT][4], Tile2<T> a, Tile2<T> b, int K, int lane, bool scalar) {
   scalar = kScalarOperandsBuilt && scalar;
   // not unrolled over k: unrolled, nvcc hoists the fragments of every k
   // step and the f16 backward at head dim 64 spilled (255 registers)
+  if constexpr (kPairs) {
 MHA_NO_UNROLL
-  for (int k0 = 0; k0 < K; k0 += 16) mma16_k_step<T, kRT, NT>(acc, a, b, k0, lane, scalar);
+    for (int k0 = 0; k0 < K; k0 += 32) {
+      mma16_k_step<T, kRT, NT>(acc, a, b, k0, lane, scalar);
+      mma16_k_step<T, kRT, NT>(acc, a, b, k0 + 16, lane, scalar);
+    }
+  } else {
+MHA_NO_UNROLL
+    for (int k0 = 0; k0 < K; k0 += 16) mma16_k_step<T, kRT, NT>(acc, a, b, k0, lane, scalar);
+  }
 }
 
 template <typename T, int NT, typename A>
@@ -445,6 +456,39 @@ MHA_DEVICE void load_tile_async(T* dst, int ld, int k_rows, int k_cols, const T*
 MHA_UNROLL
       for (int x = 0; x < kVec; ++x) d[x] = (r < rows && c + x < cols) ? src[r * rs + c + x] : to_elem<T>(0.f);
     }
+  }
+}
+
+// A whole kRows x kCols tile of a 16-bit type by cp.async, where the caller
+// has checked once what load_tile_async checks at every call (unit column
+// stride, 16-byte aligned rows, kCols columns) and, per tile, that the rows
+// are all there, and whole_tile_rounds_even: the block's threads cover the
+// column chunks by whole rows an even number of times. Each thread copies
+// one column chunk of rows block_dim / chunks apart, two a pass from two
+// stepped pointers. (The plain forward kernel at head dim 64: its K/V copies
+// by load_tile_async's stepped loop took 11 SASS instructions a chunk on
+// sm_90 and about 50 more a call in those checks and their set-up; this took
+// that kernel 0.91-0.94 of the time before on an H200, bench/cuda_ab.py,
+// 2026-11-28. At head dim 128 it took 1.03-1.08 of it: more spills, 140 ->
+// 172 bytes on sm_90; it stays off there.)
+template <typename T, int kRows, int kCols>
+MHA_DEVICE bool whole_tile_rounds_even() {
+  constexpr unsigned kChunks = kCols / (16 / sizeof(T));
+  const unsigned step = block_dim().x;
+  return step % kChunks == 0 && (kRows / (step / kChunks)) % 2 == 0 && kRows % (step / kChunks) == 0;
+}
+template <typename T, int kRows, int kCols>
+MHA_DEVICE void load_whole_tile_async(T* dst, int ld, const T* src, int64_t rs) {
+  constexpr unsigned kVec = 16 / sizeof(T), kChunks = kCols / kVec;
+  const unsigned tid = thread_idx().x, rstep = block_dim().x / kChunks;
+  unsigned r = tid / kChunks;
+  T* d = dst + r * static_cast<unsigned>(ld) + (tid % kChunks) * kVec;
+  const T* s = src + static_cast<int64_t>(r) * rs + (tid % kChunks) * kVec;
+  const unsigned d_step = rstep * static_cast<unsigned>(ld);
+  const int64_t s_step = static_cast<int64_t>(rstep) * rs;
+  for (; r < static_cast<unsigned>(kRows); r += 2 * rstep, d += 2 * d_step, s += 2 * s_step) {
+    cp_async_16(d, s);
+    cp_async_16(d + d_step, s + s_step);
   }
 }
 
