@@ -307,18 +307,21 @@ def test_emul_gradcheck_float64(backend, is_causal):
     assert torch.autograd.gradcheck(lambda *x: _Attention.apply(backend, *x, is_causal), (q, k, v, mask))
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_emul_fma_scores_split_equal_keys_at_every_magnitude(backend, dtype):
+def test_emul_fma_scores_split_equal_keys_at_every_magnitude(backend, dtype, is_causal):
     # The forward's interior tiles fold the scale into one FMA a score while
-    # the row max, in log2 units, is within 512 (fma_scores), and take the
-    # exact path past it; an edge tile always takes the exact path. Each row
-    # has two equal best keys, 10 (interior tile) and 150 (the partial last
-    # tile), far above the rest, at a best score from 100 to 1e7 in log2
-    # units: the output must be their values' mean to one unit in the last
-    # place of the dtype, and lse the float64 reference's. (An FMA at 1e6
-    # errs by up to 2^-24 * 1e6 = 0.06 in the exponent, a weight of 0.5 +- 2%: the
-    # test fails if the bound is lifted.) Head dim 128: the plain kernel.
-    n, h, L, S, E = 1, 1, 64, 190, 128
+    # a row's max, in log2 units, is within 512 (fma_scores), and take the
+    # exact path past it; edge and diagonal tiles take the exact path. Each
+    # row has two equal best keys, 10 (an interior tile) and 150 (the partial
+    # last tile; causal: the rows' diagonal tile, a mix of the paths within
+    # each row), far above the rest, at a best score from 100 to 1e7 in log2 units: the
+    # output must be their values' mean to one unit in the last place of the
+    # dtype, and lse the float64 reference's. (An FMA at 1e6 errs by up to
+    # 2^-24 * 1e6 = 0.06 in the exponent, a weight of 0.5 +- 2%: the test
+    # fails if the bound is lifted.) Head dim 128: the plain kernel.
+    n, h, S, E = 1, 1, 190, 128
+    L = S if is_causal else 64
     g = torch.Generator().manual_seed(1)
     targets = torch.tensor([100.0, 400.0, 500.0, 520.0, 3e3, 1e5, 1e6, 1e7])
     b = 4096.0
@@ -326,20 +329,21 @@ def test_emul_fma_scores_split_equal_keys_at_every_magnitude(backend, dtype):
     q = torch.randn(n, h, L, E, generator=g) * 0.1
     k = torch.randn(n, h, S, E, generator=g) * 0.1
     v = torch.randn(n, h, S, E, generator=g)
-    rows = torch.arange(0, 8 * len(targets), 8)
+    # causal (top-left): rows 152-187 see both best keys
+    rows = 152 + 5 * torch.arange(len(targets)) if is_causal else torch.arange(0, 8 * len(targets), 8)
     q[0, 0, rows] = 0.0
     q[0, 0, rows, 0] = targets / (b * log2_units)
     k[0, 0, :, 0] = b * 0.3 * torch.rand(S, generator=g)
     k[0, 0, 10, 0] = k[0, 0, 150, 0] = b
     k[0, 0, 150, 1:] = k[0, 0, 10, 1:]
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    out, lse, _ = backend.attention(q, k, v, None, 0.0, False, None)
+    out, lse, _ = backend.attention(q, k, v, None, 0.0, is_causal, None)
     mean = ((v[0, 0, 10].double() + v[0, 0, 150].double()) / 2).to(dtype).double()
     ulp = torch.finfo(dtype).eps * mean.abs().clamp(min=2.0 ** -4)
     for r in rows.tolist():
         err = (out[0, 0, r].double() - mean).abs()
         assert (err <= ulp).all(), (r, (err / ulp).max().item())
-    ref_lse = R.logsumexp(q, k, None).double()
+    ref_lse = R.logsumexp(q, k, None, is_causal).double()
     torch.testing.assert_close(lse.double(), ref_lse.reshape(lse.shape), rtol=2e-6, atol=1e-6)
 
 
