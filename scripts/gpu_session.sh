@@ -20,7 +20,7 @@
 # cases in 230 s (Intel Xeon, 14 workers; two crashed workers cost part of that): a 15-minute lease
 # fits `MHA_NCU=0 bash scripts/gpu_session.sh 110 60 300` in one call of about 9.5 minutes, with no
 # time left for a second start (one needs 4 minutes of lease left). On an H100 (2026-11-28) the same
-# call took 588 s, the suite reaching 66%. What is left of a lease after it, while the machine is
+# call took 588 s, the suite reaching 66%; on an H200 the same day 523 s (build 105 s), 71%. What is left of a lease after it, while the machine is
 # still warm (it waits 30 s for the next call), fits bench/cuda_ab.py: versions of the plain forward
 # kernel side by side without the extension's build (about 30 s a call).
 set -u
@@ -127,7 +127,8 @@ deselect=()
 # CPU machines mostly lack (pytest drops the second mention of a file)
 timeout "$t_suite" python3 -m pytest -v -p no:cacheprovider -n 14 -rfE ${MHA_SUITE:-tests/test_isa_paths.py tests} \
   "${deselect[@]}" \
-  --ignore tests/test_packaging.py --ignore tests/test_transformers.py > "$out/suite.log" 2>&1
+  --ignore tests/test_packaging.py --ignore tests/test_transformers.py \
+  --deselect tests/test_plot.py::test_minilm_heatmap_example_writes_every_head > "$out/suite.log" 2>&1
 rc=$?
 grep -E "(FAILED|ERROR)( |$)|node down|Fatal Python error|^  File \"$PWD/tests" "$out/suite.log" | head -60
 grep -c "PASSED" "$out/suite.log" | sed 's/$/ passed so far/'; tail -3 "$out/suite.log" | cut -c1-300
