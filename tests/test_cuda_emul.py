@@ -307,19 +307,26 @@ def test_emul_gradcheck_float64(backend, is_causal):
     assert torch.autograd.gradcheck(lambda *x: _Attention.apply(backend, *x, is_causal), (q, k, v, mask))
 
 
+@pytest.mark.parametrize("warp_rows", ["32", "16"], ids=["plain kernel", "general kernel"])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_emul_fma_scores_split_equal_keys_at_every_magnitude(backend, dtype, is_causal):
-    # The forward's interior tiles fold the scale into one FMA a score while
-    # a row's max, in log2 units, is within 512 (fma_scores), and take the
-    # exact path past it; edge and diagonal tiles take the exact path. Each
-    # row has two equal best keys, 10 (an interior tile) and 150 (the partial
-    # last tile; causal: the rows' diagonal tile, a mix of the paths within
-    # each row), far above the rest, at a best score from 100 to 1e7 in log2 units: the
-    # output must be their values' mean to one unit in the last place of the
-    # dtype, and lse the float64 reference's. (An FMA at 1e6 errs by up to
-    # 2^-24 * 1e6 = 0.06 in the exponent, a weight of 0.5 +- 2%: the test
-    # fails if the bound is lifted.) Head dim 128: the plain kernel.
+def test_emul_fma_scores_split_equal_keys_at_every_magnitude(backend, dtype, is_causal, warp_rows, monkeypatch):
+    # The forward folds the scale into one FMA a score while a row's max in
+    # a tile, in log2 units, is within 512 (fma_scores), and takes the exact
+    # path past it: the plain kernel (head dim 128) in all its tiles, the
+    # general kernel (MHA_EXT_CUDA_FWD_WARP_ROWS=16) in interior tiles only,
+    # so that its rows mix the paths. Each row has two equal best keys, 10
+    # (an interior tile) and 150 (the partial last tile; causal: the rows'
+    # diagonal tile), far above the rest, at a best score from 100 to 1e7 in
+    # log2 units: the output must be their values' mean to one unit in the
+    # last place of the dtype, and lse the float64 reference's. (In the
+    # general kernel an FMA at 1e6 would err by up to 2^-24 * 1e6 = 0.06 in
+    # the exponent against the exact path's score of the other key, a weight
+    # of 0.5 +- 2%: the test fails there if the bound is lifted.) The
+    # backward recomputes the scores by the exact path against the forward's
+    # lse: the gradient of V at the two keys, from these rows alone, must be
+    # half the sum of their output gradients.
+    monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", warp_rows)
     n, h, S, E = 1, 1, 190, 128
     L = S if is_causal else 64
     g = torch.Generator().manual_seed(1)
@@ -345,6 +352,13 @@ def test_emul_fma_scores_split_equal_keys_at_every_magnitude(backend, dtype, is_
         assert (err <= ulp).all(), (r, (err / ulp).max().item())
     ref_lse = R.logsumexp(q, k, None, is_causal).double()
     torch.testing.assert_close(lse.double(), ref_lse.reshape(lse.shape), rtol=2e-6, atol=1e-6)
+    go = torch.zeros_like(out)
+    go[0, 0, rows] = torch.randn(len(rows), E, generator=g).to(dtype)
+    dv = _backward(backend, q, k, v, out, lse, go, is_causal=is_causal)[2]
+    half = go[0, 0, rows].double().sum(0) / 2
+    for j in (10, 150):
+        err = (dv[0, 0, j].double() - half).abs()
+        assert (err <= 2 * torch.finfo(dtype).eps * half.abs().clamp(min=1.0)).all(), (j, err.max().item())
 
 
 @pytest.mark.parametrize("scale", [None, 1.0], ids=["default scale", "scale 1"])
@@ -617,11 +631,13 @@ def test_emul_forward_rows_64_and_128_are_bit_identical(backend, dtype, shape, m
     # ("auto" picks them at head dims 128 and 256, and for the plain kernel);
     # MHA_EXT_CUDA_FWD_WARP_ROWS: the plain kernel's warps of 32 rows (calls
     # without a mask tensor, dropout, softcap or ALiBi, head dims 64 and 128)
-    # or the general kernel's 16. A row's result depends on neither: the same
-    # bits (causal and a window add tiles fully masked for some rows of a
-    # wider block, which the plain kernel's warps skip; rows past L in a
-    # warp's second row tile; dropout, which takes the general kernel; GQA),
-    # and the reference holds them as everywhere else.
+    # or the general kernel's 16. Within a kernel a row's result does not
+    # depend on the rows a block: the same bits (causal and a window add
+    # tiles fully masked for some rows of a wider block, which the plain
+    # kernel's warps skip; rows past L in a warp's second row tile; dropout,
+    # which takes the general kernel; GQA). The two kernels differ in their
+    # last bits where the plain kernel's edge tiles take the FMA softmax and
+    # the general kernel's the exact one; the reference holds both.
     q, k, v = make(shape, dtype)
     gqa = shape[1] != shape[2]
     rng = torch.tensor([1234567, 89], dtype=torch.long)
@@ -649,7 +665,7 @@ def test_emul_forward_rows_64_and_128_are_bit_identical(backend, dtype, shape, m
                 assert backend.launched_grids()[0] == -(-L // block), (case, rows, warp_rows)
                 assert backend.launched_threads()[0] == threads, (case, rows, warp_rows)
         for key, got in results.items():
-            for a, b in zip(results["64", "16"], got):
+            for a, b in zip(results["64", key[1]], got):
                 assert torch.equal(a, b), (case, key)
         cpu_out = torch.ops.mha_ext.attention(*args)[0]
         kw = dict(enable_gqa=gqa, bottom_right=True)
@@ -659,22 +675,25 @@ def test_emul_forward_rows_64_and_128_are_bit_identical(backend, dtype, shape, m
             kw.update(is_causal=True)
         if "window" in case:
             kw.update(window=win)
-        assert_all_like_cpu(results["auto", "32"][0], cpu_out, references(q, k, v, **kw), dtype)
+        refs = references(q, k, v, **kw)
+        for warp_rows in ("16", "32"):
+            assert_all_like_cpu(results["auto", warp_rows][0], cpu_out, refs, dtype)
 
 
 def test_emul_forward_warp_rows_with_key_splits_are_bit_identical(backend, monkeypatch):
     # Key splits (flash-decoding) counted in 64-row blocks whatever the
     # launch's rows per block: the plain kernel's 128-row blocks (2 here)
-    # and the general kernel's 64-row ones (3) split the keys alike (93 key
+    # and the general kernel's 64-row ones (3) split the keys alike (92 key
     # tiles in 22 runs of at most 5: 528 blocks fit, 4 of 46 KiB a
     # multiprocessor, 528 // 24 = 22), so a non-causal row sums the same runs
     # in the same order, and the combine gives the same bits (counted in the
-    # launch's blocks, the plain kernel would make 23 runs: 528 // 16 = 33,
-    # at most 93 // 4).
+    # launch's blocks, the plain kernel would make 23 runs of 4: 528 // 16 =
+    # 33, at most 92 // 4). The keys fill their last tile: an edge tile takes
+    # the FMA softmax in the plain kernel and the exact one in the general.
     for name in ("MHA_EXT_CUDA_KV_SPLITS", "MHA_EXT_CUDA_FWD_ROWS", "MHA_EXT_CUDA_OPERANDS"):
         monkeypatch.delenv(name, raising=False)
     torch.manual_seed(11)
-    q, k, v = make((1, 8, 2, 130, 5900, 64, 64), torch.bfloat16)
+    q, k, v = make((1, 8, 2, 130, 5888, 64, 64), torch.bfloat16)
     args = (q, k, v, None, 0.0, False, None, True)
     results = {}
     for warp_rows, q_blocks in (("16", 3), ("32", 2)):

@@ -208,9 +208,10 @@ MHA_UNROLL
       const bool interior = interior_tile(p, iw0, iw0 + 15 < L ? iw0 + 15 : L - 1, j0, j0 + kN - 1);
       // (fast: the maxima in the softmax's units; the scores stay raw, for
       // the FMA below or, where fma_scores declines, the exact paths)
-      const bool fast = fma_scores<T>(sr, interior, scale_units, tile_max);
+      bool fast = fma_scores<T>(sr, interior, scale_units, tile_max);
       if (!fast) tile_max[0] = tile_max[1] = A(-INFINITY);
-      if (!fast && interior && !kPlain) {
+      // the exact path for every score of the tile, and the row maxima
+      auto exact_scores = [&]() {
 MHA_UNROLL
         for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
@@ -218,27 +219,54 @@ MHA_UNROLL
             sr[t][e] = Units::from_nats(sr[t][e] * scale);
             tile_max[e / 2] = nan_max(tile_max[e / 2], sr[t][e]);
           }
+      };
+      if (!fast && interior && !kPlain) {
+        exact_scores();
       } else if (!fast && kPlain) {
         // the plain kernel's calls have no score transform but the band: the
         // columns [lo, hi) of this tile that each of the lane's two rows sees
         // (none past L; the band ends at S), compared in 32 bits (interior
-        // tiles too: all of it)
+        // tiles too: all of it). For 16-bit types and scale > 0 the tile then
+        // takes the interior tiles' FMA softmax, with the keys outside the
+        // band -inf as dot products: about 8 instructions a score where the
+        // exact path takes about 20 (the general kernel keeps the exact path:
+        // the same at head dim 64 cost it 4 registers, 12 -> 8 warps a
+        // multiprocessor on sm_90).
         int lo[2], hi[2];
+        bool empty_ok[2];  // (fma_scores)
 MHA_UNROLL
         for (int r = 0; r < 2; ++r) {
           const int64_t i = iw0 + MmaLayout::c_row(lane, 2 * r);
+          empty_ok[r] = i >= L || m_r[r] > A(-INFINITY);
           const int64_t jb = p.variant.begin(i) - j0, je = p.variant.end(i, S) - j0;
           lo[r] = i < L ? static_cast<int>(jb < 0 ? 0 : jb > kN ? kN : jb) : kN;
           hi[r] = i < L ? static_cast<int>(je < 0 ? 0 : je > kN ? kN : je) : 0;
         }
+        auto in_band = [&](int t, int e) {
+          const int c = 8 * t + MmaLayout::c_col(lane, e);
+          return c >= lo[e / 2] && c < hi[e / 2];
+        };
+        if (sizeof(T) == 2 && scale_units > A(0)) {
+          // the same FMA as an interior tile's: the keys outside the band -inf
+          // as dot products
 MHA_UNROLL
-        for (int t = 0; t < kNT; ++t)
+          for (int t = 0; t < kNT; ++t)
 MHA_UNROLL
-          for (int e = 0; e < 4; ++e) {
-            const int c = 8 * t + MmaLayout::c_col(lane, e);
-            sr[t][e] = c >= lo[e / 2] && c < hi[e / 2] ? Units::from_nats(sr[t][e] * scale) : A(-INFINITY);
-            tile_max[e / 2] = nan_max(tile_max[e / 2], sr[t][e]);
+            for (int e = 0; e < 4; ++e) sr[t][e] = in_band(t, e) ? sr[t][e] : A(-INFINITY);
+          fast = fma_scores<T>(sr, true, scale_units, tile_max, empty_ok[0], empty_ok[1]);
+          if (!fast) {  // the exact path (scale > 0 keeps the -inf; lo and hi not held past the vote: registers)
+            tile_max[0] = tile_max[1] = A(-INFINITY);
+            exact_scores();
           }
+        } else {
+MHA_UNROLL
+          for (int t = 0; t < kNT; ++t)
+MHA_UNROLL
+            for (int e = 0; e < 4; ++e) {
+              sr[t][e] = in_band(t, e) ? Units::from_nats(sr[t][e] * scale) : A(-INFINITY);
+              tile_max[e / 2] = nan_max(tile_max[e / 2], sr[t][e]);
+            }
+        }
       } else if (!fast) {
 MHA_UNROLL
         for (int t = 0; t < kNT; ++t)
@@ -277,7 +305,7 @@ MHA_UNROLL
           dst[1] = to_elem<T>(p1);
         }
       };
-      if (fast) {  // m_r is finite here (or NaN from an earlier tile, which the row keeps)
+      if (fast) {  // m_r is finite here (or NaN from an earlier tile, which the row keeps; -inf past L, whose P may be NaN: never written)
         if constexpr (sizeof(T) == 2) {
           // one FMA a score (fma_scores: the row max's key within 2^-15 of 2^0)
 MHA_UNROLL

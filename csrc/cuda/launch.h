@@ -161,12 +161,16 @@ inline std::string fwd_warp_rows_setting() {
 // 16-bit types up to head dim 128), unless MHA_EXT_CUDA_FWD_WARP_ROWS, read
 // at each launch, is "16" (the general kernel, 16 rows a warp, as before);
 // unset, "auto" or "32": wherever it can. A row's arithmetic is the same in
-// both kernels: for finite V the outputs are bit-identical (the plain
-// kernel's warps skip key tiles none of their rows can see, where the
-// general kernel adds 0 x V: an infinite V row there turns its rows NaN in
-// the general kernel only; and with key splits under causal alignment or a
-// window, a block's runs follow its own visible tiles, which differ with
-// its rows: the last bits may differ there as with MHA_EXT_CUDA_FWD_ROWS).
+// both kernels but in the edge tiles (those that the lengths, causal
+// alignment or a window cut), which take the softmax's one-FMA scores in
+// the plain kernel (fma_scores) and the exact path in the general one, so
+// the last bits may differ where a call has such tiles; for finite V and
+// whole tiles the outputs are bit-identical (the plain kernel's warps skip
+// key tiles none of their rows can see, where the general kernel adds 0 x
+// V: an infinite V row there turns its rows NaN in the general kernel only;
+// and with key splits under causal alignment or a window, a block's runs
+// follow its own visible tiles, which differ with its rows: the last bits
+// may differ there as with MHA_EXT_CUDA_FWD_ROWS).
 template <typename T, int kHeadDim>
 bool fwd_plain(const AttentionFwdParams& p, const std::string& warp_rows) {
   return TileConfig<T, kHeadDim>::kFwdRowTiles > 1 && warp_rows != "16" && p.mask_kind == MaskKind::kNone &&

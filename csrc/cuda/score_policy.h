@@ -109,7 +109,11 @@ MHA_UNROLL
 // the exact path takes two multiplies and a subtraction. Allowed when the
 // lane's max of each of its two rows' raw dot products (max.NaN: a NaN score
 // fails), times c, lies within +-kFmaScoreMax on every lane (a vote: the
-// warp stays on one path); row_max then holds those two maxima times c. So
+// warp stays on one path), or is -inf where the caller allows it (empty_ok:
+// an edge tile's row that sees none of its keys, which the caller set to
+// -inf, and that has a finite running max m, so that its scores give
+// exp2(-inf) = 0, or lies past L, whose output is never written); row_max
+// then holds those two maxima times c. So
 // a row's max key is exp2 of the FMA's one rounding of fl(s c) - s c, within
 // 2^-15 of 2^0 (the exact path: exactly 2^0), and the backward, which
 // recomputes the scores as scaled(s, scale), is within 2^-14 of these in
@@ -117,7 +121,8 @@ MHA_UNROLL
 // the max, gives 0 as there. Larger maxima, and +-inf, take the exact path.
 constexpr float kFmaScoreMax = 512.0f;
 template <typename T, int N, typename A>
-MHA_DEVICE bool fma_scores(const A (&s)[N][4], bool interior, A c, A (&row_max)[2]) {
+MHA_DEVICE bool fma_scores(const A (&s)[N][4], bool interior, A c, A (&row_max)[2], bool empty_ok0 = false,
+                           bool empty_ok1 = false) {
   if constexpr (sizeof(T) == 2) {
     if (!interior || !(c > A(0))) return false;
     // two chains a row (even and odd t), half as long as one
@@ -128,7 +133,8 @@ MHA_UNROLL
       for (int e = 0; e < 4; ++e) m[e / 2][t % 2] = nan_max(m[e / 2][t % 2], s[t][e]);
     row_max[0] = fmul_rn(nan_max(m[0][0], m[0][1]), c);
     row_max[1] = fmul_rn(nan_max(m[1][0], m[1][1]), c);
-    return vote_all(fabsf(row_max[0]) <= kFmaScoreMax && fabsf(row_max[1]) <= kFmaScoreMax);  // false for NaN
+    auto within = [](A x, bool empty_ok) { return fabsf(x) <= kFmaScoreMax || (empty_ok && x == A(-INFINITY)); };
+    return vote_all(within(row_max[0], empty_ok0) && within(row_max[1], empty_ok1));  // false for NaN
   }
   return false;
 }
