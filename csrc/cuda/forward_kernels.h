@@ -122,27 +122,24 @@ MHA_UNROLL
   };
   const bool k_whole = whole_ok(k_head, p.k_stride.row, p.k_stride.col, p.head_dim);
   const bool v_whole = whole_ok(v_head, p.v_stride.row, p.v_stride.col, p.head_dim_v);
+  // one K or V tile of rows from src into dst (whole: whole_ok of its tensor)
+  auto copy_kv = [&](T* dst, const T* src, const Strides4& st, int64_t rows, int64_t cols, bool whole) {
+    if constexpr (kWholeCopies) {
+      if (whole && rows >= kN) {
+        load_whole_tile_async<T, kN, kHeadDim>(dst, kLd, src, st.row);
+      } else {
+        load_tile_async<T>(dst, kLd, kN, kHeadDim, src, st.row, st.col, rows, cols);
+      }
+    } else {
+      copy_tile(dst, kN, src, st.row, st.col, rows, cols);
+    }
+  };
   auto issue = [&](int64_t j, int st) {
     T* k_dst = kv_s + 2 * st * kN * kLd;
     const int64_t k_off = kPlain ? j * p.k_stride.row : p.kv_offset(p.k_stride, b, hk, j);
     const int64_t v_off = kPlain ? j * p.v_stride.row : p.kv_offset(p.v_stride, b, hk, j);
-    if constexpr (kWholeCopies) {
-      const bool rows_whole = S - j >= kN;
-      if (k_whole && rows_whole) {
-        load_whole_tile_async<T, kN, kHeadDim>(k_dst, kLd, k_head + k_off, p.k_stride.row);
-      } else {
-        load_tile_async<T>(k_dst, kLd, kN, kHeadDim, k_head + k_off, p.k_stride.row, p.k_stride.col, S - j, p.head_dim);
-      }
-      if (v_whole && rows_whole) {
-        load_whole_tile_async<T, kN, kHeadDim>(k_dst + kN * kLd, kLd, v_head + v_off, p.v_stride.row);
-      } else {
-        load_tile_async<T>(k_dst + kN * kLd, kLd, kN, kHeadDim, v_head + v_off, p.v_stride.row, p.v_stride.col, S - j,
-                           p.head_dim_v);
-      }
-    } else {
-      copy_tile(k_dst, kN, k_head + k_off, p.k_stride.row, p.k_stride.col, S - j, p.head_dim);
-      copy_tile(k_dst + kN * kLd, kN, v_head + v_off, p.v_stride.row, p.v_stride.col, S - j, p.head_dim_v);
-    }
+    copy_kv(k_dst, k_head + k_off, p.k_stride, S - j, p.head_dim, k_whole);
+    copy_kv(k_dst + kN * kLd, v_head + v_off, p.v_stride, S - j, p.head_dim_v, v_whole);
     cp_async_commit();
   };
   stream_tiles<kStages>(j_first, kv_end, kN, issue, [&](int64_t j0, int stage) {
