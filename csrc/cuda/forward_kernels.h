@@ -194,10 +194,12 @@ MHA_UNROLL
       }
       A(&m_r)[2] = m_run[rt];
       const int64_t iw0 = iw_base + 16 * rt;
-      // Scores in the softmax's units. Edge and diagonal tiles go through
-      // masked_score per element; an interior tile (interior_tile: every row
-      // of the row tile sees it whole) is only scaled, or where plain_scores
-      // allows, not even that: the row max is taken on the dot products.
+      // Scores in the softmax's units. An interior tile (interior_tile: every
+      // row of the row tile sees it whole) takes the one-FMA softmax where
+      // fma_scores allows (the row max taken on the dot products), else the
+      // exact path; the plain kernel's edge and diagonal tiles take the band's
+      // bounds and then the same two paths, the general kernel's masked_score
+      // per element.
       A tile_max[2] = {-INFINITY, -INFINITY};
       // (rows past L count as inside: their Q rows are zero and their output
       // is never written, so a decode step's one row, or a GQA group packed
