@@ -118,3 +118,26 @@ def test_decode_results_do_not_depend_on_the_thread_count(dtype):
         torch.set_num_threads(threads)
     for other in runs[1:]:
         assert torch.equal(runs[0][0], other[0]) and torch.equal(runs[0][1], other[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strided", [False, True], ids=["rows in place", "strided K/V columns"])
+def test_decode_after_a_larger_call_of_nan(dtype, strided):
+    # Each thread keeps its buffers (rows of Q, scores, O, strided K / V rows)
+    # from call to call: a call that fills them with NaN, then smaller calls
+    # of other shapes, each against the reference (a buffer element read
+    # before this call wrote it would be NaN here)
+    def make(shape, seed):
+        q, k, v = _inputs(shape, dtype, seed)
+        if strided:  # column stride S: K / V rows gathered into the kernel's buffers
+            k, v = k.transpose(-1, -2).contiguous().transpose(-1, -2), v.transpose(-1, -2).contiguous().transpose(-1, -2)
+        return q, k, v
+
+    for shape in [(2, 32, 8, 4, 3000, 128, 96), (8, 32, 8, 4, 300, 128, 96)]:  # keys split; one split a head
+        q, k, v = make(shape, 0)
+        out = op.attention(q.fill_(float("nan")), k.fill_(float("nan")), v.fill_(float("nan")), None, 0.0, False,
+                           None, True)[0]
+        assert out.isnan().all()
+    for shape in [(1, 8, 2, 1, 700, 64, 64), (2, 4, 4, 3, 257, 16, 24), (8, 16, 8, 2, 300, 32, 24),
+                  (4, 16, 16, 16, 40, 32, 32), (1, 32, 8, 4, 1000, 37, 40)]:
+        _check(*make(shape, 1))
