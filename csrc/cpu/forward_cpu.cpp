@@ -142,8 +142,13 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   const int64_t n_part = direct ? 0 : heads * n_splits;
   // (the calling thread's own, kept as the items' buffers are: every split
   // writes its slot before the merge reads it; 1.02-1.06x at 16 rows a head
-  // and 2k keys, where they were 512 KiB allocated and zeroed a call)
-  thread_local DecodeScratch<acc_t> parts;
+  // and 2k keys, where they were 512 KiB allocated and zeroed a call; kept
+  // only up to 4 MiB, so that one call with many splits leaves no large
+  // buffer behind on the thread)
+  thread_local DecodeScratch<acc_t> kept_parts;
+  DecodeScratch<acc_t> call_parts;
+  const bool keep = n_part * R * Ev * static_cast<int64_t>(sizeof(acc_t)) <= 4 * 1024 * 1024;
+  DecodeScratch<acc_t>& parts = keep ? kept_parts : call_parts;
   parts.reserve(0, 0, 0, n_part * R * Ev, n_part * R, 0, 0, 0, 0);
   Buffer<acc_t>&part_o = parts.o, &part_m = parts.m, &part_l = parts.l;
   scalar_t* out = static_cast<scalar_t*>(p.out);
