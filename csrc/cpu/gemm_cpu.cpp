@@ -1,6 +1,7 @@
 #include "gemm_cpu.h"
 
 #include "../dropout.h"
+#include "rows_avx2.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -212,19 +213,6 @@ __attribute__((target("avx2,fma"))) void gemm_avx2(int64_t M, int64_t N, int64_t
 #endif  // MHA_X86
 
 // ---- row primitives --------------------------------------------------------
-
-// 2^x: n = round(x), r = x - n in [-1/2, 1/2], 2^r by a degree-6 polynomial
-// (least-squares fit in relative error, 2e-9 in exact arithmetic, 8e-8 =
-// 0.7 ulp evaluated in float), times 2^n. Below -125 the result is 0 (no
-// denormals reach the products that follow), NaN stays NaN; large x gives inf
-// (from 127.5 on in the portable version: the kernels' arguments are <= ~0).
-// The kernels keep float scores in base 2 (times log2 e, folded into the
-// product's alpha), which saves the multiply and the two-part ln 2 reduction
-// of a natural exp.
-constexpr float kExp2Lo = -125.0f, kExp2Hi = 128.0f;
-constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound - kRound rounds to nearest
-constexpr float kP6 = 1.5353362e-4f, kP5 = 1.3398875e-3f, kP4 = 9.6184369e-3f, kP3 = 5.5503324e-2f,
-                kP2 = 0.24022648f, kP1 = 0.69314718f;
 
 inline float exp2_scalar(float x) {  // selects, no branches: the loop vectorises
   const float xc = x < kExp2Lo ? kExp2Lo : (x > kExp2Hi ? kExp2Hi : x);
@@ -595,6 +583,7 @@ void philox_keep64(uint64_t seed, uint64_t row, uint64_t group0, uint32_t thresh
 float row_max(const float* x, int64_t n) {
 #if MHA_X86
   if (active_isa() >= Isa::kAvx512) return row_max_avx512(x, n);
+  if (active_isa() >= Isa::kAvx2) return avx2::row_max(x, n);
 #endif
   return row_max_generic(x, n);
 }
@@ -602,6 +591,7 @@ float row_max(const float* x, int64_t n) {
 bool mask_bool(float* s, const uint8_t* keep, int64_t n) {
 #if MHA_X86
   if (active_isa() >= Isa::kAvx512) return mask_bool_avx512(s, keep, n), true;
+  if (active_isa() >= Isa::kAvx2) return avx2::mask_bool(s, keep, n), true;
 #endif
   (void)s, (void)keep, (void)n;
   return false;
@@ -610,6 +600,7 @@ bool mask_bool(float* s, const uint8_t* keep, int64_t n) {
 bool mask_add(float* s, const float* m, int64_t n, float unit) {
 #if MHA_X86
   if (active_isa() >= Isa::kAvx512) return mask_add_avx512(s, m, n, unit), true;
+  if (active_isa() >= Isa::kAvx2) return avx2::mask_add(s, m, n, unit), true;
 #endif
   (void)s, (void)m, (void)n, (void)unit;
   return false;
@@ -627,6 +618,7 @@ float amx_exp2_sub_sum_bf16(const float* x, int64_t n, float mul, float sub, uin
 float exp2_sub_sum(float* x, int64_t n, float mul, float sub) {
 #if MHA_X86
   if (active_isa() >= Isa::kAvx512) return exp2_sub_sum_avx512(x, n, mul, sub);
+  if (active_isa() >= Isa::kAvx2) return avx2::exp2_sub_sum(x, n, mul, sub);
 #endif
   return exp2_sub_sum_generic(x, n, mul, sub);
 }

@@ -10,6 +10,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "rows_avx2.h"
 #include "rows_avx512.h"
 #include "x86_intrinsics.h"
 
@@ -506,6 +507,7 @@ void dot_rows(const float* q, int64_t R, int64_t E, const float* k, int64_t ldk,
               bool far_fetch) {
 #if MHA_X86
   if (active_isa() >= Isa::kAvx512) return dot_rows_avx512<0>(q, R, E, k, ldk, n, s, lds, far_fetch);
+  if (active_isa() >= Isa::kAvx2) return avx2::dot_rows(q, R, E, k, avx2::RowKind::kFloat, ldk, n, s, lds, far_fetch);
 #endif
   dot_rows_generic(q, R, E, k, ldk, n, s, lds);
 }
@@ -516,6 +518,8 @@ void dot_rows_16(const float* q, int64_t R, int64_t E, const uint16_t* k, int64_
   if (active_isa() >= Isa::kAvx512)
     return bf16 ? dot_rows_avx512<1>(q, R, E, k, ldk, n, s, lds, far_fetch)
                 : dot_rows_avx512<2>(q, R, E, k, ldk, n, s, lds, far_fetch);
+  if (active_isa() >= Isa::kAvx2)
+    return avx2::dot_rows(q, R, E, k, bf16 ? avx2::RowKind::kBf16 : avx2::RowKind::kHalf, ldk, n, s, lds, far_fetch);
 #endif
   dot_rows_16_generic(q, R, E, k, ldk, n, s, lds, bf16);
 }
@@ -540,6 +544,10 @@ bool acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v,
     acc_rows_avx512<0>(p, R, n, ldp, v, ldv, Ev, o, ldo, far_fetch);
     return true;
   }
+  if (active_isa() >= Isa::kAvx2) {
+    avx2::acc_rows(p, R, n, ldp, v, avx2::RowKind::kFloat, ldv, Ev, o, ldo, far_fetch);
+    return true;
+  }
 #endif
   (void)p, (void)R, (void)n, (void)ldp, (void)v, (void)ldv, (void)Ev, (void)o, (void)ldo, (void)far_fetch;
   return false;
@@ -556,6 +564,10 @@ bool acc_rows_16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16
   if (active_isa() >= Isa::kAvx512) {
     bf16 ? acc_rows_avx512<1>(p, R, n, ldp, v, ldv, Ev, o, ldo, far_fetch)
          : acc_rows_avx512<2>(p, R, n, ldp, v, ldv, Ev, o, ldo, far_fetch);
+    return true;
+  }
+  if (active_isa() >= Isa::kAvx2) {
+    avx2::acc_rows(p, R, n, ldp, v, bf16 ? avx2::RowKind::kBf16 : avx2::RowKind::kHalf, ldv, Ev, o, ldo, far_fetch);
     return true;
   }
 #endif

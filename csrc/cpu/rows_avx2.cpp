@@ -1,0 +1,373 @@
+// The AVX2 + FMA row primitives (rows_avx2.h): 8 lanes a register, the
+// same arithmetic as the AVX-512 routines (gemm_cpu.cpp, rows_cpu.cpp) in
+// the same orders where the lanes allow. Before them an AVX2-only CPU ran
+// the softmax and the decode kernel's scores in scalar C++.
+#include "rows_avx2.h"
+
+#include "rows_avx512.h"  // (the fetches: RowFetch, PageFetch, fetch_rows_l2)
+#include "x86_intrinsics.h"
+
+#if MHA_X86
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
+
+#define MHA_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define MHA_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+
+namespace mha_ext {
+namespace cpu {
+namespace avx2 {
+namespace {
+using rows::PageFetch;
+
+// lanes [0, left) set
+MHA_AVX2_INLINE __m256i lanes(int64_t left) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::clamp<int64_t>(left, 0, 8))), iota);
+}
+
+MHA_AVX2_INLINE float hsum(__m256 x) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// Lane i: the sum of the lanes of x[i], by a fixed tree (pairs, quads,
+// halves), so that each sum is the same wherever it sits.
+MHA_AVX2_INLINE __m256 sum8(const __m256* x) {
+  const __m256 h01 = _mm256_hadd_ps(x[0], x[1]), h23 = _mm256_hadd_ps(x[2], x[3]);
+  const __m256 h45 = _mm256_hadd_ps(x[4], x[5]), h67 = _mm256_hadd_ps(x[6], x[7]);
+  const __m256 g0 = _mm256_hadd_ps(h01, h23), g1 = _mm256_hadd_ps(h45, h67);  // quads; halves in the 128-bit lanes
+  return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
+}
+
+// ---- softmax rows ------------------------------------------------------------
+
+// 2^x as gemm_cpu.cpp's exp2_scalar and exp2_512: the degree-6 polynomial
+// by fused multiply-adds, 2^n put in the exponent bits; 0 below kExp2Lo,
+// NaN through.
+MHA_AVX2_INLINE __m256 exp2_256(__m256 x) {
+  // max / min return their second operand when either is NaN: a NaN lane
+  // computes on kExp2Lo and is put back at the end
+  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExp2Lo)), _mm256_set1_ps(kExp2Hi));
+  const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(xc, n);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kP6), r, _mm256_set1_ps(kP5));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // 2^n, n in [-125, 128]: n = 128 gives the bits of inf
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 y = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)),
+                                 _mm256_cmp_ps(x, _mm256_set1_ps(kExp2Lo), _CMP_NLT_UQ));  // x >= lo or NaN
+  return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+// fl(mul x), kept an instruction of its own: the compiler would otherwise
+// fuse it with the difference that follows (-ffp-contract), and the callers
+// need the product rounded (gemm_cpu.cpp, mul_rounded)
+MHA_AVX2_INLINE __m256 mul_rounded(__m256 a, __m256 b) {
+  __m256 y = _mm256_mul_ps(a, b);
+  asm("" : "+x"(y));
+  return y;
+}
+
+// unit m clamped to [lo, hi], an infinite m as it is (max / min return
+// their second operand when either is NaN: NaN stays)
+MHA_AVX2_INLINE __m256 mask_units(__m256 m, __m256 unit, __m256 lo, __m256 hi) {
+  const __m256 uc = _mm256_min_ps(hi, _mm256_max_ps(lo, mul_rounded(unit, m)));
+  const __m256 inf = _mm256_or_ps(_mm256_cmp_ps(m, lo, _CMP_LT_OQ), _mm256_cmp_ps(m, hi, _CMP_GT_OQ));
+  return _mm256_blendv_ps(uc, m, inf);
+}
+
+}  // namespace
+
+MHA_AVX2 float row_max(const float* x, int64_t n) {
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 m0 = neg_inf, m1 = neg_inf;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // max(x, m) is m where x is NaN: NaN ignored
+    m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
+    m1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), m1);
+  }
+  for (; i < n; i += 8) {
+    const __m256i t = lanes(n - i);
+    m0 = _mm256_max_ps(_mm256_blendv_ps(neg_inf, _mm256_maskload_ps(x + i, t), _mm256_castsi256_ps(t)), m0);
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, _mm256_max_ps(m0, m1));
+  float m = t[0];
+  for (int k = 1; k < 8; ++k) m = t[k] > m ? t[k] : m;
+  return m;
+}
+
+MHA_AVX2 float exp2_sub_sum(float* x, int64_t n, float mul, float sub) {
+  const __m256 vs = _mm256_set1_ps(sub), vm = _mm256_set1_ps(mul);
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 y0 = exp2_256(_mm256_sub_ps(mul_rounded(vm, _mm256_loadu_ps(x + i)), vs));
+    const __m256 y1 = exp2_256(_mm256_sub_ps(mul_rounded(vm, _mm256_loadu_ps(x + i + 8)), vs));
+    _mm256_storeu_ps(x + i, y0);
+    _mm256_storeu_ps(x + i + 8, y1);
+    s0 = _mm256_add_ps(s0, y0);
+    s1 = _mm256_add_ps(s1, y1);
+  }
+  for (; i < n; i += 8) {
+    const __m256i t = lanes(n - i);
+    const __m256 y = exp2_256(_mm256_sub_ps(mul_rounded(vm, _mm256_maskload_ps(x + i, t)), vs));
+    _mm256_maskstore_ps(x + i, t, y);
+    s0 = _mm256_add_ps(s0, _mm256_and_ps(y, _mm256_castsi256_ps(t)));
+  }
+  return hsum(_mm256_add_ps(s0, s1));
+}
+
+MHA_AVX2 void mask_bool(float* s, const uint8_t* keep, int64_t n) {
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    int64_t bytes;
+    std::memcpy(&bytes, keep + i, sizeof(bytes));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes));
+    const __m256 hidden = _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, _mm256_setzero_si256()));
+    _mm256_storeu_ps(s + i, _mm256_blendv_ps(_mm256_loadu_ps(s + i), neg_inf, hidden));
+  }
+  for (; i < n; ++i) s[i] = keep[i] ? s[i] : -std::numeric_limits<float>::infinity();
+}
+
+// as mask_add_avx512 (gemm_cpu.cpp): unit m clamped to the finite range, an
+// infinite m as it is, NaN through
+MHA_AVX2 void mask_add(float* s, const float* m, int64_t n, float unit) {
+  const __m256 u = _mm256_set1_ps(unit), hi = _mm256_set1_ps(std::numeric_limits<float>::max());
+  const __m256 lo = _mm256_set1_ps(-std::numeric_limits<float>::max());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(s + i, _mm256_add_ps(_mm256_loadu_ps(s + i), mask_units(_mm256_loadu_ps(m + i), u, lo, hi)));
+  if (i < n) {  // (masked loads and stores only here: on AMD EPYC (Zen 1) they cost 3x in the GEMM)
+    const __m256i t = lanes(n - i);
+    _mm256_maskstore_ps(s + i, t,
+                        _mm256_add_ps(_mm256_maskload_ps(s + i, t), mask_units(_mm256_maskload_ps(m + i, t), u, lo, hi)));
+  }
+}
+
+// ---- decode rows ---------------------------------------------------------------
+
+namespace {
+template <int kKind>
+using Row = std::conditional_t<kKind == 0, float, uint16_t>;
+
+// 8 columns of a row as floats: float32 loaded, bfloat16 shifted up, float16 by F16C
+template <int kKind>
+MHA_AVX2_INLINE __m256 load8(const Row<kKind>* row) {
+  if constexpr (kKind == 0) {
+    return _mm256_loadu_ps(row);
+  } else {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+    if constexpr (kKind == 1) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+    return _mm256_cvtph_ps(x);
+  }
+}
+// the first `left` (< 8) columns, zero after (nothing past them read)
+template <int kKind>
+MHA_AVX2_INLINE __m256 load_part(const Row<kKind>* row, int64_t left) {
+  Row<kKind> t[8] = {};
+  std::memcpy(t, row, static_cast<size_t>(left) * sizeof(Row<kKind>));
+  return load8<kKind>(t);
+}
+
+// acc[r KB + C] += the dot products of key row k with query rows q + r E,
+// the key row read whole in address order (rows_cpu.cpp's key_dot); `page`
+// takes its page-ahead share at the row.
+template <int kKind, int RB, int KB, int C>
+MHA_AVX2_INLINE void key_dot(__m256* acc, const float* q, int64_t E, const Row<kKind>* k, PageFetch& page) {
+  page(k);
+  int64_t e = 0;
+  for (; e + 8 <= E; e += 8) {
+    const __m256 kv = load8<kKind>(k + e);
+    for (int r = 0; r < RB; ++r) acc[r * KB + C] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * E + e), kv, acc[r * KB + C]);
+  }
+  if (e < E) {
+    const __m256 kv = load_part<kKind>(k + e, E - e);
+    for (int r = 0; r < RB; ++r)
+      acc[r * KB + C] = _mm256_fmadd_ps(load_part<0>(q + r * E + e, E - e), kv, acc[r * KB + C]);
+  }
+}
+
+template <int kKind, int RB, int KB, int... C>
+MHA_AVX2_INLINE void keys_dot(__m256* acc, const float* q, int64_t E, const Row<kKind>* k, int64_t ldk, int64_t nk,
+                              PageFetch& page, std::integer_sequence<int, C...>) {
+  (key_dot<kKind, RB, KB, C>(acc, q, E, k + std::min<int64_t>(C, nk - 1) * ldk, page), ...);
+}
+
+// The scores of RB query rows with nc <= 16 keys, KB = 8 / RB keys at a
+// time: the RB x KB dot products in 8 registers, summed by sum8. Keys past
+// nc repeat the last real one (read, never stored).
+template <int kKind, int RB>
+MHA_AVX2 void score_block(const float* q, int64_t E, const Row<kKind>* k, int64_t ldk, int64_t nc, float* s,
+                          int64_t lds, const PageFetch& page_in) {
+  PageFetch page = page_in;  // (a local: its count and place stay in registers)
+  constexpr int KB = 8 / RB;
+  for (int64_t k0 = 0; k0 < nc; k0 += KB) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    keys_dot<kKind, RB, KB>(acc, q, E, k + k0 * ldk, ldk, nc - k0, page, std::make_integer_sequence<int, KB>{});
+    alignas(32) float t[8];  // lane r KB + c: row r, key k0 + c
+    _mm256_store_ps(t, sum8(acc));
+    const int64_t m = std::min<int64_t>(KB, nc - k0);
+    for (int r = 0; r < RB; ++r)
+      for (int64_t c = 0; c < m; ++c) s[r * lds + k0 + c] = t[r * KB + c];
+  }
+}
+
+// S = Q K^T by blocks of 16 keys (in L1 for the passes after the first):
+// four query rows a pass, then two, then one. The first pass fetches
+// adjacent rows a page ahead (PageFetch); rows that are not adjacent (a
+// (B, S, H, D) cache) have the next block's rows fetched into L2 before the
+// block, as on AVX-512.
+template <int kKind>
+MHA_AVX2 void dot_rows_t(const float* q, int64_t R, int64_t E, const Row<kKind>* k, int64_t ldk, int64_t n, float* s,
+                         int64_t lds, bool far_fetch) {
+  const int64_t elem = sizeof(Row<kKind>), row_bytes = E * elem;
+  const bool adjacent = ldk == E;
+  for (int64_t c0 = 0; c0 < n; c0 += 16) {
+    const int64_t nc = std::min<int64_t>(16, n - c0);
+    const Row<kKind>* kc = k + c0 * ldk;
+    const PageFetch page = adjacent ? PageFetch::first_pass(kc, row_bytes, row_bytes, nc, elem, far_fetch)
+                                    : PageFetch::strided(far_fetch, ldk * elem, row_bytes),
+                    none;
+    if (!adjacent) rows::fetch_rows_l2(kc + 16 * ldk, ldk * elem, std::clamp<int64_t>(n - c0 - 16, 0, 16), row_bytes);
+    for (int64_t r0 = 0; r0 < R;) {
+      const int64_t rr = R - r0, rb = rr >= 4 ? 4 : rr >= 2 ? 2 : 1;
+      const PageFetch& pg = r0 == 0 ? page : none;
+      if (rb == 4)
+        score_block<kKind, 4>(q + r0 * E, E, kc, ldk, nc, s + r0 * lds + c0, lds, pg);
+      else if (rb == 2)
+        score_block<kKind, 2>(q + r0 * E, E, kc, ldk, nc, s + r0 * lds + c0, lds, pg);
+      else
+        score_block<kKind, 1>(q + r0 * E, E, kc, ldk, nc, s + r0 * lds + c0, lds, pg);
+      r0 += rb;
+    }
+  }
+}
+
+// O (RB rows, ldo) += P (RB x nj, ldp) V (nj rows, ldv) over 8 NV columns
+// (or, with NV = 1, cols <= 8 of them): the RB x NV sums in registers, each
+// in key order, added to O at the end. Rows past rr repeat the last real
+// one (computed, never stored).
+template <int kKind, int RB, int NV>
+MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, const Row<kKind>* v, int64_t ldv,
+                          int64_t cols, float* o, int64_t ldo, const PageFetch& page_in) {
+  PageFetch page = page_in;
+  const float* pr[RB];
+  for (int r = 0; r < RB; ++r) pr[r] = p + std::min<int64_t>(r, rr - 1) * ldp;
+  __m256 acc[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int x = 0; x < NV; ++x) acc[r][x] = _mm256_setzero_ps();
+  const bool part = NV == 1 && cols < 8;
+  for (int64_t j = 0; j < nj; ++j) {
+    const Row<kKind>* vr = v + j * ldv;
+    page(vr);
+    if constexpr (RB == 1) {  // a value vector for one multiply-add: loaded as it is used
+      const __m256 pb = _mm256_broadcast_ss(pr[0] + j);
+      for (int x = 0; x < NV; ++x)
+        acc[0][x] = _mm256_fmadd_ps(pb, part ? load_part<kKind>(vr, cols) : load8<kKind>(vr + 8 * x), acc[0][x]);
+    } else {
+      __m256 w[NV];
+      for (int x = 0; x < NV; ++x) w[x] = part ? load_part<kKind>(vr, cols) : load8<kKind>(vr + 8 * x);
+      for (int r = 0; r < RB; ++r) {
+        const __m256 pb = _mm256_broadcast_ss(pr[r] + j);
+        for (int x = 0; x < NV; ++x) acc[r][x] = _mm256_fmadd_ps(pb, w[x], acc[r][x]);
+      }
+    }
+  }
+  const __m256i t = lanes(cols);
+  for (int r = 0; r < RB; ++r) {
+    if (r >= rr) break;
+    float* orow = o + r * ldo;
+    for (int x = 0; x < NV; ++x) {
+      if (part)
+        _mm256_maskstore_ps(orow, t, _mm256_add_ps(_mm256_maskload_ps(orow, t), acc[r][x]));
+      else
+        _mm256_storeu_ps(orow + 8 * x, _mm256_add_ps(_mm256_loadu_ps(orow + 8 * x), acc[r][x]));
+    }
+  }
+}
+
+// One pass of RB rows over the columns [0, cols) of a chunk: blocks of 8 NV
+// columns (NV = 8 / RB), then single vectors, the last maybe partial (with
+// NV = 1 only that one).
+template <int kKind, int RB>
+MHA_AVX2 void value_pass(const float* p, int64_t ldp, int64_t rr, int64_t nj, const Row<kKind>* v, int64_t ldv,
+                         int64_t cols, float* o, int64_t ldo, const PageFetch& page) {
+  constexpr int NV = 8 / RB;
+  const PageFetch none;
+  int64_t c0 = 0;
+  for (; c0 + 8 * NV <= cols; c0 += 8 * NV)
+    value_block<kKind, RB, NV>(p, ldp, rr, nj, v + c0, ldv, 8 * NV, o + c0, ldo, c0 == 0 ? page : none);
+  for (; c0 < cols; c0 += 8)
+    value_block<kKind, RB, 1>(p, ldp, rr, nj, v + c0, ldv, std::min<int64_t>(8, cols - c0), o + c0, ldo,
+                              c0 == 0 ? page : none);
+}
+
+// O (R x Ev) += P (R x n) V (n x Ev) by chunks of rows::kValueKeys keys
+// (L1-sized), each read from memory by the first pass and from L1 by the
+// rest: 8 rows a pass, then 4, 2, 1. The first pass fetches adjacent rows a
+// page ahead; rows not adjacent have the next chunk fetched into L2 first.
+template <int kKind>
+MHA_AVX2 void acc_rows_t(const float* p, int64_t R, int64_t n, int64_t ldp, const Row<kKind>* v, int64_t ldv,
+                         int64_t Ev, float* o, int64_t ldo, bool far_fetch) {
+  const int64_t elem = sizeof(Row<kKind>), row_bytes = Ev * elem;
+  for (int64_t j0 = 0; j0 < n; j0 += rows::kValueKeys) {
+    const int64_t nj = std::min(rows::kValueKeys, n - j0);
+    const Row<kKind>* vc = v + j0 * ldv;
+    const PageFetch page = ldv == Ev ? PageFetch::first_pass(vc, ldv * elem, row_bytes, nj, elem, far_fetch)
+                                     : PageFetch::strided(far_fetch, ldv * elem, row_bytes),
+                    none;
+    if (ldv != Ev)
+      rows::fetch_rows_l2(vc + rows::kValueKeys * ldv, ldv * elem,
+                          std::clamp<int64_t>(n - j0 - rows::kValueKeys, 0, rows::kValueKeys), row_bytes);
+    for (int64_t r0 = 0; r0 < R;) {
+      const int64_t rr = R - r0, rb = rr >= 8 ? 8 : rr >= 4 ? 4 : rr >= 2 ? 2 : 1;
+      const float* pr = p + r0 * ldp + j0;
+      float* orow = o + r0 * ldo;
+      const PageFetch& pg = r0 == 0 ? page : none;
+      if (rb == 8)
+        value_pass<kKind, 8>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg);
+      else if (rb == 4)
+        value_pass<kKind, 4>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg);
+      else if (rb == 2)
+        value_pass<kKind, 2>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg);
+      else
+        value_pass<kKind, 1>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg);
+      r0 += rb;
+    }
+  }
+}
+}  // namespace
+
+void dot_rows(const float* q, int64_t R, int64_t E, const void* k, RowKind kind, int64_t ldk, int64_t n, float* s,
+              int64_t lds, bool far_fetch) {
+  if (kind == RowKind::kFloat) return dot_rows_t<0>(q, R, E, static_cast<const float*>(k), ldk, n, s, lds, far_fetch);
+  const auto* k16 = static_cast<const uint16_t*>(k);
+  if (kind == RowKind::kBf16) return dot_rows_t<1>(q, R, E, k16, ldk, n, s, lds, far_fetch);
+  dot_rows_t<2>(q, R, E, k16, ldk, n, s, lds, far_fetch);
+}
+
+void acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const void* v, RowKind kind, int64_t ldv, int64_t Ev,
+              float* o, int64_t ldo, bool far_fetch) {
+  if (kind == RowKind::kFloat)
+    return acc_rows_t<0>(p, R, n, ldp, static_cast<const float*>(v), ldv, Ev, o, ldo, far_fetch);
+  const auto* v16 = static_cast<const uint16_t*>(v);
+  if (kind == RowKind::kBf16) return acc_rows_t<1>(p, R, n, ldp, v16, ldv, Ev, o, ldo, far_fetch);
+  acc_rows_t<2>(p, R, n, ldp, v16, ldv, Ev, o, ldo, far_fetch);
+}
+
+}  // namespace avx2
+}  // namespace cpu
+}  // namespace mha_ext
+#endif  // MHA_X86
