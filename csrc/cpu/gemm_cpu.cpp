@@ -146,12 +146,21 @@ __attribute__((target("avx512f,fma"))) void gemm_avx512(int64_t M, int64_t N, in
 }
 
 // ---- AVX2 + FMA: MR rows x 16 columns, 2 * MR ymm accumulators --------------
+// 6 rows (12 accumulators, two B vectors and a broadcast: 15 of the 16 ymm
+// registers); full strips of 16 columns load and store unmasked, the ragged
+// right edge masked. On an AMD EPYC of family 23 (Zen 1; bench/gemm_tiles.cpp,
+// one core) a 4-row kernel with masked loads everywhere ran the forward's
+// tiles at 9-12 GFLOP/s, no faster than the portable loop; unmasked 28-35,
+// with 6 rows 31-38.
+#ifndef MHA_AVX2_MR
+#define MHA_AVX2_MR 6
+#endif
 __attribute__((target("avx2,fma"))) inline __m256i tail_mask8(int64_t n) {
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), idx);
 }
 
-template <int MR>
+template <int MR, bool kEdge>
 __attribute__((target("avx2,fma"))) void micro_avx2(int64_t K, int64_t nb, float alpha,
                                                     const float* a, int64_t a_rs, int64_t a_cs,
                                                     const float* b, int64_t ldb, float beta,
@@ -165,11 +174,11 @@ __attribute__((target("avx2,fma"))) void micro_avx2(int64_t K, int64_t nb, float
   }
   for (int64_t k = 0; k < K; ++k) {
     const float* br = b + k * ldb;
-    const __m256 b0 = _mm256_maskload_ps(br, m0);
-    const __m256 b1 = _mm256_maskload_ps(br + 8, m1);
+    const __m256 b0 = kEdge ? _mm256_maskload_ps(br, m0) : _mm256_loadu_ps(br);
+    const __m256 b1 = kEdge ? _mm256_maskload_ps(br + 8, m1) : _mm256_loadu_ps(br + 8);
     const float* ak = a + k * a_cs;
-  #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
       const __m256 av = _mm256_broadcast_ss(ak + r * a_rs);
       acc0[r] = _mm256_fmadd_ps(av, b0, acc0[r]);
       acc1[r] = _mm256_fmadd_ps(av, b1, acc1[r]);
@@ -181,30 +190,47 @@ __attribute__((target("avx2,fma"))) void micro_avx2(int64_t K, int64_t nb, float
     float* cr = c + r * ldc;
     __m256 o0 = _mm256_mul_ps(va, acc0[r]), o1 = _mm256_mul_ps(va, acc1[r]);
     if (beta != 0.f) {
-      o0 = _mm256_fmadd_ps(vb, _mm256_maskload_ps(cr, m0), o0);
-      o1 = _mm256_fmadd_ps(vb, _mm256_maskload_ps(cr + 8, m1), o1);
+      o0 = _mm256_fmadd_ps(vb, kEdge ? _mm256_maskload_ps(cr, m0) : _mm256_loadu_ps(cr), o0);
+      o1 = _mm256_fmadd_ps(vb, kEdge ? _mm256_maskload_ps(cr + 8, m1) : _mm256_loadu_ps(cr + 8), o1);
     }
-    _mm256_maskstore_ps(cr, m0, o0);
-    _mm256_maskstore_ps(cr + 8, m1, o1);
+    if (kEdge) {
+      _mm256_maskstore_ps(cr, m0, o0);
+      _mm256_maskstore_ps(cr + 8, m1, o1);
+    } else {
+      _mm256_storeu_ps(cr, o0);
+      _mm256_storeu_ps(cr + 8, o1);
+    }
   }
+}
+
+template <int MR>
+__attribute__((target("avx2,fma"))) inline void strip_avx2(int64_t K, int64_t nb, float alpha, const float* a,
+                                                           int64_t a_rs, int64_t a_cs, const float* b, int64_t ldb,
+                                                           float beta, float* c, int64_t ldc) {
+  if (nb == 16)
+    micro_avx2<MR, false>(K, nb, alpha, a, a_rs, a_cs, b, ldb, beta, c, ldc);
+  else
+    micro_avx2<MR, true>(K, nb, alpha, a, a_rs, a_cs, b, ldb, beta, c, ldc);
 }
 
 __attribute__((target("avx2,fma"))) void gemm_avx2(int64_t M, int64_t N, int64_t K, float alpha,
                                                    const float* a, int64_t a_rs, int64_t a_cs,
                                                    const float* b, int64_t ldb, float beta,
                                                    float* c, int64_t ldc) {
-  constexpr int64_t kMR = 4, kNR = 16;
+  constexpr int64_t kMR = MHA_AVX2_MR, kNR = 16;
   for (int64_t j = 0; j < N; j += kNR) {
     const int64_t nb = N - j < kNR ? N - j : kNR;
     int64_t i = 0;
     for (; i + kMR <= M; i += kMR)
-      micro_avx2<kMR>(K, nb, alpha, a + i * a_rs, a_rs, a_cs, b + j, ldb, beta, c + i * ldc + j, ldc);
+      strip_avx2<kMR>(K, nb, alpha, a + i * a_rs, a_rs, a_cs, b + j, ldb, beta, c + i * ldc + j, ldc);
     const float* ai = a + i * a_rs;
     float* ci = c + i * ldc + j;
     switch (M - i) {
-      case 3: micro_avx2<3>(K, nb, alpha, ai, a_rs, a_cs, b + j, ldb, beta, ci, ldc); break;
-      case 2: micro_avx2<2>(K, nb, alpha, ai, a_rs, a_cs, b + j, ldb, beta, ci, ldc); break;
-      case 1: micro_avx2<1>(K, nb, alpha, ai, a_rs, a_cs, b + j, ldb, beta, ci, ldc); break;
+      case 5: strip_avx2<5>(K, nb, alpha, ai, a_rs, a_cs, b + j, ldb, beta, ci, ldc); break;
+      case 4: strip_avx2<4>(K, nb, alpha, ai, a_rs, a_cs, b + j, ldb, beta, ci, ldc); break;
+      case 3: strip_avx2<3>(K, nb, alpha, ai, a_rs, a_cs, b + j, ldb, beta, ci, ldc); break;
+      case 2: strip_avx2<2>(K, nb, alpha, ai, a_rs, a_cs, b + j, ldb, beta, ci, ldc); break;
+      case 1: strip_avx2<1>(K, nb, alpha, ai, a_rs, a_cs, b + j, ldb, beta, ci, ldc); break;
       default: break;
     }
   }
