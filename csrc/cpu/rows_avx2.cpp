@@ -189,10 +189,12 @@ MHA_AVX2_INLINE void key_dot(__m256* acc, const float* q, int64_t E, const Row<k
   int64_t e = 0;
   for (; e + 8 <= E; e += 8) {
     const __m256 kv = load8<kKind>(k + e);
+#pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) acc[r * KB + C] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * E + e), kv, acc[r * KB + C]);
   }
   if (e < E) {
     const __m256 kv = load_part<kKind>(k + e, E - e);
+#pragma GCC unroll 8
     for (int r = 0; r < RB; ++r)
       acc[r * KB + C] = _mm256_fmadd_ps(load_part<0>(q + r * E + e, E - e), kv, acc[r * KB + C]);
   }
@@ -214,11 +216,13 @@ MHA_AVX2 void score_block(const float* q, int64_t E, const Row<kKind>* k, int64_
   constexpr int KB = 8 / RB;
   for (int64_t k0 = 0; k0 < nc; k0 += KB) {
     __m256 acc[8];
+#pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
     keys_dot<kKind, RB, KB>(acc, q, E, k + k0 * ldk, ldk, nc - k0, page, std::make_integer_sequence<int, KB>{});
     alignas(32) float t[8];  // lane r KB + c: row r, key k0 + c
     _mm256_store_ps(t, sum8(acc));
     const int64_t m = std::min<int64_t>(KB, nc - k0);
+#pragma GCC unroll 8
     for (int r = 0; r < RB; ++r)
       for (int64_t c = 0; c < m; ++c) s[r * lds + k0 + c] = t[r * KB + c];
   }
@@ -264,9 +268,12 @@ MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, c
                           int64_t cols, float* o, int64_t ldo, const PageFetch& page_in) {
   PageFetch page = page_in;
   const float* pr[RB];
+#pragma GCC unroll 8
   for (int r = 0; r < RB; ++r) pr[r] = p + std::min<int64_t>(r, rr - 1) * ldp;
   __m256 acc[RB][NV];
+#pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 8
     for (int x = 0; x < NV; ++x) acc[r][x] = _mm256_setzero_ps();
   const bool part = NV == 1 && cols < 8;
   for (int64_t j = 0; j < nj; ++j) {
@@ -274,21 +281,27 @@ MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, c
     page(vr);
     if constexpr (RB == 1) {  // a value vector for one multiply-add: loaded as it is used
       const __m256 pb = _mm256_broadcast_ss(pr[0] + j);
+#pragma GCC unroll 8
       for (int x = 0; x < NV; ++x)
         acc[0][x] = _mm256_fmadd_ps(pb, part ? load_part<kKind>(vr, cols) : load8<kKind>(vr + 8 * x), acc[0][x]);
     } else {
       __m256 w[NV];
+#pragma GCC unroll 8
       for (int x = 0; x < NV; ++x) w[x] = part ? load_part<kKind>(vr, cols) : load8<kKind>(vr + 8 * x);
+#pragma GCC unroll 8
       for (int r = 0; r < RB; ++r) {
         const __m256 pb = _mm256_broadcast_ss(pr[r] + j);
+#pragma GCC unroll 8
         for (int x = 0; x < NV; ++x) acc[r][x] = _mm256_fmadd_ps(pb, w[x], acc[r][x]);
       }
     }
   }
   const __m256i t = lanes(cols);
+#pragma GCC unroll 8
   for (int r = 0; r < RB; ++r) {
     if (r >= rr) break;
     float* orow = o + r * ldo;
+#pragma GCC unroll 8
     for (int x = 0; x < NV; ++x) {
       if (part)
         _mm256_maskstore_ps(orow, t, _mm256_add_ps(_mm256_maskload_ps(orow, t), acc[r][x]));
