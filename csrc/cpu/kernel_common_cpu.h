@@ -50,7 +50,7 @@ constexpr int64_t kRowDotRows = 1;
 
 // ---------------------------------------------------------------------------
 // Row operations. Float: max and exp come from gemm_cpu (intrinsics on
-// AVX-512), the rest are loops cloned per instruction set; double uses plain
+// AVX-512 and AVX2), the rest are loops cloned per instruction set; double uses plain
 // loops with std::exp.
 //
 // Units of the scores: float kernels keep them in base 2, S2 = log2(e) * S
@@ -280,12 +280,12 @@ inline T mask_in_units(T mv, T unit) {
 
 // s[c] += mask_in_units(m[c]) over contiguous float mask columns, cloned per
 // instruction set (the generic loop in transform_row ran 4 lanes wide and cost a
-// third of a masked forward); on AVX-512, cpu::mask_add instead.
+// third of a masked forward); on AVX-512 and AVX2, cpu::mask_add instead.
 MHA_CPU_CLONES void add_float_mask_f(float* s, const float* m, int64_t n, float unit) {
   for (int64_t c = 0; c < n; ++c) s[c] += mask_in_units(m[c], unit);
 }
 
-// s[c] = keep[c] ? s[c] : -inf, contiguous bool mask columns (cpu::mask_bool on AVX-512)
+// s[c] = keep[c] ? s[c] : -inf, contiguous bool mask columns (cpu::mask_bool on AVX-512 and AVX2)
 MHA_CPU_CLONES void apply_bool_mask_f(float* s, const bool* m, int64_t n) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int64_t c = 0; c < n; ++c) s[c] = m[c] ? s[c] : kNegInf;
