@@ -1,7 +1,8 @@
 // CPU emulation of the primitives in simt.h (test infrastructure).
 //
 // A launch runs the blocks of the grid one after another on the calling
-// thread. The threads of a block are fibers (ucontext); the lowest-numbered
+// thread. The threads of a block are fibers (a stack switch of our own on
+// x86-64, ucontext elsewhere and under AddressSanitizer); the lowest-numbered
 // thread that is not waiting runs until it reaches a barrier or returns. A
 // block barrier lets its threads go only when every thread of the block has
 // reached it; a warp barrier (sync_warp, shuffles, votes, mma) when every lane
@@ -66,8 +67,72 @@ struct PendingCopy {
   unsigned char bytes[16];
 };
 
+// How a fiber's context is kept. On x86-64 (outside AddressSanitizer, which
+// follows stacks through swapcontext only) a switch of our own: the
+// callee-saved registers, MXCSR and the x87 control word pushed on the
+// fiber's stack and its stack pointer kept. swapcontext also saves and sets
+// the signal mask, a system call at every switch: with it, switches took
+// about half of the emulated test suite's time.
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#define MHA_EMUL_STACK_SWITCH 1
+#endif
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#undef MHA_EMUL_STACK_SWITCH
+#endif
+#endif
+
+#ifdef MHA_EMUL_STACK_SWITCH
+// Saves the caller's context on its stack and its stack pointer in *save,
+// then resumes the context saved at `load` (as this function left it, or as
+// start_frame built it).
+__attribute__((naked, noinline)) inline void switch_stack(void** /*save*/, void* /*load*/) {
+  asm("pushq %rbp\n\t"
+      "pushq %rbx\n\t"
+      "pushq %r12\n\t"
+      "pushq %r13\n\t"
+      "pushq %r14\n\t"
+      "pushq %r15\n\t"
+      "subq $8, %rsp\n\t"
+      "stmxcsr (%rsp)\n\t"
+      "fnstcw 4(%rsp)\n\t"
+      "movq %rsp, (%rdi)\n\t"
+      "movq %rsi, %rsp\n\t"
+      "ldmxcsr (%rsp)\n\t"
+      "fldcw 4(%rsp)\n\t"
+      "addq $8, %rsp\n\t"
+      "popq %r15\n\t"
+      "popq %r14\n\t"
+      "popq %r13\n\t"
+      "popq %r12\n\t"
+      "popq %rbx\n\t"
+      "popq %rbp\n\t"
+      "ret\n\t");
+}
+
+// The saved context of a fiber that has not run: switch_stack's frame at the
+// top of `stack`, returning into entry (which never returns) with the stack
+// aligned as after a call.
+inline void* start_frame(char* stack, size_t bytes, void (*entry)()) {
+  auto top = (reinterpret_cast<uintptr_t>(stack) + bytes) & ~uintptr_t(15);
+  auto* slot = reinterpret_cast<uint64_t*>(top);
+  slot[-1] = 0;                                    // entry's return address: none
+  slot[-2] = reinterpret_cast<uintptr_t>(entry);  // switch_stack's
+  for (int i = 3; i <= 8; ++i) slot[-i] = 0;      // rbp, rbx, r12 to r15
+  uint32_t csr = 0;
+  uint16_t cw = 0;
+  asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(csr), "=m"(cw));
+  slot[-9] = csr | static_cast<uint64_t>(cw) << 32;
+  return slot - 9;
+}
+#endif
+
 struct Fiber {
+#ifdef MHA_EMUL_STACK_SWITCH
+  void* sp = nullptr;
+#else
   ucontext_t ctx{};
+#endif
   std::unique_ptr<char[]> stack;
   bool done = false;
   Wait wait = Wait::kNone;
@@ -82,8 +147,18 @@ struct Block {
   std::vector<uint64_t> slots;  // one exchange slot per thread
   std::vector<uint32_t> wide;   // kWideWords per thread, for warp-wide fragment exchanges
   std::vector<unsigned char> shared;
+#ifdef MHA_EMUL_STACK_SWITCH
+  void* scheduler = nullptr;
+#else
   ucontext_t scheduler{};
+#endif
   int current = -1;
+  // The scheduler's books, kept as the threads wait, finish and are freed:
+  // a bit a thread that can run (not done, not waiting), the threads at a
+  // block barrier, and those at a warp barrier, a count a warp.
+  std::vector<uint64_t> runnable;
+  int at_block = 0;
+  std::vector<int> at_warp;
   const std::function<void()>* body = nullptr;
   std::exception_ptr error;  // thrown in a thread (a misused primitive): rethrown by launch()
 };
@@ -96,6 +171,20 @@ inline Block& self() {
   return *tl_block;
 }
 
+inline void set_runnable(Block& b, int t, bool on) {
+  const uint64_t bit = uint64_t(1) << (t % 64);
+  b.runnable[t / 64] = on ? b.runnable[t / 64] | bit : b.runnable[t / 64] & ~bit;
+}
+
+// The running thread hands the calling OS thread back to the scheduler.
+inline void yield_to_scheduler(Block& b, Fiber& f) {
+#ifdef MHA_EMUL_STACK_SWITCH
+  switch_stack(&f.sp, b.scheduler);
+#else
+  swapcontext(&f.ctx, &b.scheduler);
+#endif
+}
+
 inline void fiber_entry() {
   Block& b = *tl_block;
   try {
@@ -104,7 +193,8 @@ inline void fiber_entry() {
     b.error = std::current_exception();
   }
   b.fibers[b.current].done = true;
-  swapcontext(&b.fibers[b.current].ctx, &b.scheduler);
+  set_runnable(b, b.current, false);
+  yield_to_scheduler(b, b.fibers[b.current]);
 }
 
 // The calling thread waits at a barrier of `kind` until the scheduler frees it.
@@ -112,7 +202,20 @@ inline void wait_at(Wait kind) {
   Block& b = self();
   Fiber& f = b.fibers[b.current];
   f.wait = kind;
-  swapcontext(&f.ctx, &b.scheduler);
+  set_runnable(b, b.current, false);
+  if (kind == Wait::kBlock)
+    ++b.at_block;
+  else
+    ++b.at_warp[b.current / kWarpSize];
+  yield_to_scheduler(b, f);
+}
+
+inline void free_thread(Block& b, int t) {
+  Fiber& f = b.fibers[t];
+  if (f.wait == Wait::kBlock) --b.at_block;
+  if (f.wait == Wait::kWarp) --b.at_warp[t / kWarpSize];
+  f.wait = Wait::kNone;
+  set_runnable(b, t, true);
 }
 
 // Frees the threads waiting at a complete barrier; returns whether any was.
@@ -123,7 +226,7 @@ inline bool release_barriers(Block& b) {
   bool block_ready = true;
   for (const Fiber& f : b.fibers) block_ready = block_ready && !f.done && f.wait == Wait::kBlock;
   if (block_ready) {
-    for (Fiber& f : b.fibers) f.wait = Wait::kNone;
+    for (int t = 0; t < b.n; ++t) free_thread(b, t);
     return true;
   }
   for (int w0 = 0; w0 < b.n; w0 += kWarpSize) {
@@ -135,17 +238,41 @@ inline bool release_barriers(Block& b) {
       warp_ready = warp_ready && !f.done && f.wait == Wait::kWarp;
     }
     if (any_warp && warp_ready) {
-      for (int t = w0; t < w1; ++t) b.fibers[t].wait = Wait::kNone;
+      for (int t = w0; t < w1; ++t) free_thread(b, t);
       released = true;
     }
   }
   return released;
 }
 
+// release_barriers after thread t stopped (waits or is done): only t's warp
+// and the block can have become complete, the rest were checked before.
+inline void release_after(Block& b, int t) {
+  if (b.at_block == b.n) {
+    for (int u = 0; u < b.n; ++u) free_thread(b, u);
+    return;
+  }
+  const int w0 = t - t % kWarpSize, w1 = std::min(b.n, w0 + kWarpSize);
+  if (b.at_warp[t / kWarpSize] == w1 - w0)
+    for (int u = w0; u < w1; ++u) free_thread(b, u);
+}
+
+// The lowest-numbered thread that can run, or -1.
+inline int first_runnable(const Block& b) {
+  for (size_t i = 0; i < b.runnable.size(); ++i)
+    if (b.runnable[i] != 0) return static_cast<int>(64 * i) + __builtin_ctzll(b.runnable[i]);
+  return -1;
+}
+
 // Runs `body` once per thread of every block of `grid`.
 inline void launch(dim3 grid, dim3 block, size_t shared_bytes, const std::function<void()>& body,
                    size_t stack_bytes = 64 * 1024) {
   const int n = static_cast<int>(block.x * block.y * block.z);
+#ifdef MHA_EMUL_STACK_SWITCH
+  // one stack a thread for the whole launch (a block's threads start afresh on them)
+  std::vector<std::unique_ptr<char[]>> stacks(n);
+  for (auto& st : stacks) st.reset(new char[stack_bytes]);
+#endif
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -159,33 +286,43 @@ inline void launch(dim3 grid, dim3 block, size_t shared_bytes, const std::functi
         b.wide.assign(static_cast<size_t>(n) * kWideWords, 0);
         b.shared.assign(shared_bytes, 0xff);  // NaN in every float type: reads before writes show
         b.body = &body;
+        b.runnable.assign((n + 63) / 64, 0);
+        b.at_warp.assign((n + kWarpSize - 1) / kWarpSize, 0);
         Block* outer = tl_block;
         tl_block = &b;
         for (int t = 0; t < n; ++t) {
           Fiber& f = b.fibers[t];
+#ifdef MHA_EMUL_STACK_SWITCH
+          f.sp = start_frame(stacks[t].get(), stack_bytes, &fiber_entry);
+#else
           f.stack.reset(new char[stack_bytes]);
           getcontext(&f.ctx);
           f.ctx.uc_stack.ss_sp = f.stack.get();
           f.ctx.uc_stack.ss_size = stack_bytes;
           f.ctx.uc_link = nullptr;
           makecontext(&f.ctx, &fiber_entry, 0);
+#endif
+          set_runnable(b, t, true);
         }
         // Always run the lowest runnable thread, freeing barriers as soon as
         // they are complete: warp 0 runs through its warp barriers up to the
         // next block barrier before warp 1 starts, the order in which a
         // missing block barrier between warps does the most harm.
         for (;;) {
-          int t = 0;
-          while (t < n && (b.fibers[t].done || b.fibers[t].wait != Wait::kNone)) ++t;
-          if (t < n) {
+          const int t = first_runnable(b);
+          if (t >= 0) {
             b.current = t;
+#ifdef MHA_EMUL_STACK_SWITCH
+            switch_stack(&b.scheduler, b.fibers[t].sp);
+#else
             swapcontext(&b.scheduler, &b.fibers[t].ctx);
+#endif
             b.current = -1;
             if (b.error) {
               tl_block = outer;
               std::rethrow_exception(b.error);
             }
-            release_barriers(b);
+            release_after(b, t);
             continue;
           }
           bool live = false;
