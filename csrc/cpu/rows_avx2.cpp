@@ -180,6 +180,24 @@ MHA_AVX2_INLINE __m256 load_part(const Row<kKind>* row, int64_t left) {
   return load8<kKind>(t);
 }
 
+// The next chunk's value rows fetched into L2 over all the blocks of the
+// current one (each block a share of its lines, a line or so a key), so
+// that the chunk's first pass reads them from L2: float32 rows that lie
+// one after the other, four query rows of 32 x 8 x 128 heads 1.18-1.19x,
+// 2-16 rows 1.01-1.11x (AMD EPYC of family 23, interleaved, K/V from
+// memory). bfloat16 rows ran 0.93-0.98x with it and go without; the same
+// fetch of the next block of key rows ran 0.93-0.97x.
+struct NextChunk {
+  const char* first = nullptr;
+  int64_t stride = 0, row_bytes = 0, lines = 0, blocks = 1, keys = 1;
+  mutable int64_t at = 0;
+  rows::RowFetch<_MM_HINT_T1> share() const {
+    if (lines == 0) return {};
+    const int64_t b = at++;
+    return rows::RowFetch<_MM_HINT_T1>(first, stride, row_bytes, lines * b / blocks, lines * (b + 1) / blocks, keys);
+  }
+};
+
 // acc[r KB + C] += the dot products of key row k with query rows q + r E,
 // the key row read whole in address order (rows_cpu.cpp's key_dot); `page`
 // takes its page-ahead share at the row.
@@ -265,7 +283,8 @@ MHA_AVX2 void dot_rows_t(const float* q, int64_t R, int64_t E, const Row<kKind>*
 // one (computed, never stored).
 template <int kKind, int RB, int NV>
 MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, const Row<kKind>* v, int64_t ldv,
-                          int64_t cols, float* o, int64_t ldo, const PageFetch& page_in) {
+                          int64_t cols, float* o, int64_t ldo, const PageFetch& page_in,
+                          rows::RowFetch<_MM_HINT_T1> next) {
   PageFetch page = page_in;
   const float* pr[RB];
 #pragma GCC unroll 8
@@ -279,6 +298,7 @@ MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, c
   for (int64_t j = 0; j < nj; ++j) {
     const Row<kKind>* vr = v + j * ldv;
     page(vr);
+    next();
     if constexpr (RB == 1) {  // a value vector for one multiply-add: loaded as it is used
       const __m256 pb = _mm256_broadcast_ss(pr[0] + j);
 #pragma GCC unroll 8
@@ -312,25 +332,35 @@ MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, c
 }
 
 // One pass of RB rows over the columns [0, cols) of a chunk: blocks of 8 NV
-// columns (NV = 8 / RB), then single vectors, the last maybe partial (with
-// NV = 1 only that one).
-template <int kKind, int RB>
+// columns, then single vectors, the last maybe partial (with NV = 1 only
+// that one).
+template <int kKind, int RB, int NV>
 MHA_AVX2 void value_pass(const float* p, int64_t ldp, int64_t rr, int64_t nj, const Row<kKind>* v, int64_t ldv,
-                         int64_t cols, float* o, int64_t ldo, const PageFetch& page) {
-  constexpr int NV = 8 / RB;
+                         int64_t cols, float* o, int64_t ldo, const PageFetch& page, const NextChunk& next) {
   const PageFetch none;
   int64_t c0 = 0;
   for (; c0 + 8 * NV <= cols; c0 += 8 * NV)
-    value_block<kKind, RB, NV>(p, ldp, rr, nj, v + c0, ldv, 8 * NV, o + c0, ldo, c0 == 0 ? page : none);
+    value_block<kKind, RB, NV>(p, ldp, rr, nj, v + c0, ldv, 8 * NV, o + c0, ldo, c0 == 0 ? page : none, next.share());
   for (; c0 < cols; c0 += 8)
     value_block<kKind, RB, 1>(p, ldp, rr, nj, v + c0, ldv, std::min<int64_t>(8, cols - c0), o + c0, ldo,
-                              c0 == 0 ? page : none);
+                              c0 == 0 ? page : none, next.share());
+}
+
+// The rows of the next pass with rr rows left (acc_rows_t), its vectors a
+// block (value_pass's NV), and its blocks over `cols` columns.
+constexpr int64_t pass_rows(int64_t rr) { return rr >= 6 ? 6 : rr >= 4 ? 4 : rr >= 2 ? 2 : 1; }
+constexpr int64_t pass_vectors(int64_t rb) { return rb >= 4 ? 2 : rb == 2 ? 4 : 8; }
+constexpr int64_t pass_blocks(int64_t rb, int64_t cols) {
+  return cols / (8 * pass_vectors(rb)) + (cols % (8 * pass_vectors(rb)) + 7) / 8;
 }
 
 // O (R x Ev) += P (R x n) V (n x Ev) by chunks of rows::kValueKeys keys
 // (L1-sized), each read from memory by the first pass and from L1 by the
-// rest: 8 rows a pass, then 4, 2, 1. The first pass fetches adjacent rows a
-// page ahead; rows not adjacent have the next chunk fetched into L2 first.
+// rest: 6 rows by 16 columns a pass, then 4 by 16, 2 by 32, 1 by 64 (a
+// block's sums in 12 or 8 registers; 6 x 16 takes 8 loads, value vectors
+// and broadcasts of P, for 12 multiply-adds, where the 8 x 8 of before
+// took 9 for 8). The first pass fetches adjacent rows a page ahead; rows
+// not adjacent have the next chunk fetched into L2 first.
 template <int kKind>
 MHA_AVX2 void acc_rows_t(const float* p, int64_t R, int64_t n, int64_t ldp, const Row<kKind>* v, int64_t ldv,
                          int64_t Ev, float* o, int64_t ldo, bool far_fetch) {
@@ -341,30 +371,42 @@ MHA_AVX2 void acc_rows_t(const float* p, int64_t R, int64_t n, int64_t ldp, cons
     const PageFetch page = ldv == Ev ? PageFetch::first_pass(vc, ldv * elem, row_bytes, nj, elem, far_fetch)
                                      : PageFetch::strided(far_fetch, ldv * elem, row_bytes),
                     none;
-    if (ldv != Ev)
-      rows::fetch_rows_l2(vc + rows::kValueKeys * ldv, ldv * elem,
-                          std::clamp<int64_t>(n - j0 - rows::kValueKeys, 0, rows::kValueKeys), row_bytes);
+    const int64_t ahead = std::clamp<int64_t>(n - j0 - rows::kValueKeys, 0, rows::kValueKeys);
+    if (ldv != Ev) rows::fetch_rows_l2(vc + rows::kValueKeys * ldv, ldv * elem, ahead, row_bytes);
+    NextChunk next;
+    if (kKind == 0 && ldv == Ev) {
+      int64_t blocks = 0;
+      for (int64_t r0 = 0; r0 < R; r0 += pass_rows(R - r0)) blocks += pass_blocks(pass_rows(R - r0), Ev);
+      next.first = reinterpret_cast<const char*>(vc + rows::kValueKeys * ldv);
+      next.stride = ldv * elem, next.row_bytes = row_bytes, next.lines = ahead * ((row_bytes + 63) / 64);
+      next.blocks = blocks, next.keys = nj;
+    }
     for (int64_t r0 = 0; r0 < R;) {
-      const int64_t rr = R - r0, rb = rr >= 8 ? 8 : rr >= 4 ? 4 : rr >= 2 ? 2 : 1;
+      const int64_t rr = R - r0, rb = pass_rows(rr);
       const float* pr = p + r0 * ldp + j0;
       float* orow = o + r0 * ldo;
       const PageFetch& pg = r0 == 0 ? page : none;
-      if (rb == 8)
-        value_pass<kKind, 8>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg);
+      if (rb == 6)
+        value_pass<kKind, 6, 2>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next);
       else if (rb == 4)
-        value_pass<kKind, 4>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg);
+        value_pass<kKind, 4, 2>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next);
       else if (rb == 2)
-        value_pass<kKind, 2>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg);
+        value_pass<kKind, 2, 4>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next);
       else
-        value_pass<kKind, 1>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg);
+        value_pass<kKind, 1, 8>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next);
       r0 += rb;
     }
   }
 }
 }  // namespace
 
+// Float32 rows go without the far fetch (PageFetch, rows_avx512.h) here:
+// on an AMD EPYC of family 23 it cost them 2-8% (interleaved, 1-16 query
+// rows of 32 x 8 x 128 and 12 x 12 x 64 heads, K/V from memory), bfloat16
+// rows 0.98-1.05x, kept.
 void dot_rows(const float* q, int64_t R, int64_t E, const void* k, RowKind kind, int64_t ldk, int64_t n, float* s,
               int64_t lds, bool far_fetch) {
+  far_fetch = far_fetch && kind != RowKind::kFloat;
   if (kind == RowKind::kFloat) return dot_rows_t<0>(q, R, E, static_cast<const float*>(k), ldk, n, s, lds, far_fetch);
   const auto* k16 = static_cast<const uint16_t*>(k);
   if (kind == RowKind::kBf16) return dot_rows_t<1>(q, R, E, k16, ldk, n, s, lds, far_fetch);
@@ -373,6 +415,7 @@ void dot_rows(const float* q, int64_t R, int64_t E, const void* k, RowKind kind,
 
 void acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const void* v, RowKind kind, int64_t ldv, int64_t Ev,
               float* o, int64_t ldo, bool far_fetch) {
+  far_fetch = far_fetch && kind != RowKind::kFloat;
   if (kind == RowKind::kFloat)
     return acc_rows_t<0>(p, R, n, ldp, static_cast<const float*>(v), ldv, Ev, o, ldo, far_fetch);
   const auto* v16 = static_cast<const uint16_t*>(v);
