@@ -184,14 +184,15 @@ MHA_AVX2_INLINE __m256 load_part(const Row<kKind>* row, int64_t left) {
 // current one (each block a share of its lines, a line or so a key), so
 // that the chunk's first pass reads them from L2: float32 rows that lie
 // one after the other, four query rows of 32 x 8 x 128 heads 1.18-1.19x,
-// 2-16 rows 1.01-1.11x (AMD EPYC of family 23, interleaved, K/V from
-// memory). bfloat16 rows ran 0.93-0.98x with it and go without; the same
-// fetch of the next block of key rows ran 0.93-0.97x.
+// of 12 x 12 x 64 1.10-1.11x, the other cases 0.97-1.07x (AMD EPYC of
+// family 23, interleaved, K/V from memory). bfloat16 rows ran 0.93-0.98x
+// with it and go without; the same fetch of the next block of key rows ran
+// 0.93-0.97x.
 struct NextChunk {
   const char* first = nullptr;
   int64_t stride = 0, row_bytes = 0, lines = 0, blocks = 1, keys = 1;
-  mutable int64_t at = 0;
-  rows::RowFetch<_MM_HINT_T1> share() const {
+  int64_t at = 0;  // the blocks given their share so far
+  rows::RowFetch<_MM_HINT_T1> share() {
     if (lines == 0) return {};
     const int64_t b = at++;
     return rows::RowFetch<_MM_HINT_T1>(first, stride, row_bytes, lines * b / blocks, lines * (b + 1) / blocks, keys);
@@ -376,12 +377,20 @@ MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, c
   }
 }
 
+// The rows of the next pass with rr rows left (acc_rows_t), its vectors a
+// block (value_pass's NV), and its blocks over `cols` columns.
+constexpr int64_t pass_rows(int64_t rr) { return rr >= 6 ? 6 : rr >= 4 ? 4 : rr >= 2 ? 2 : 1; }
+constexpr int64_t pass_vectors(int64_t rb) { return rb >= 4 ? 2 : rb == 2 ? 4 : 8; }
+constexpr int64_t pass_blocks(int64_t rb, int64_t cols) {
+  return cols / (8 * pass_vectors(rb)) + (cols % (8 * pass_vectors(rb)) + 7) / 8;
+}
+
 // One pass of RB rows over the columns [0, cols) of a chunk: blocks of 8 NV
 // columns, then single vectors, the last maybe partial (with NV = 1 only
 // that one).
 template <int kKind, int RB, int NV>
 MHA_AVX2 void value_pass(const float* p, int64_t ldp, int64_t rr, int64_t nj, const Row<kKind>* v, int64_t ldv,
-                         int64_t cols, float* o, int64_t ldo, const PageFetch& page, const NextChunk& next) {
+                         int64_t cols, float* o, int64_t ldo, const PageFetch& page, NextChunk& next) {
   const PageFetch none;
   int64_t c0 = 0;
   for (; c0 + 8 * NV <= cols; c0 += 8 * NV)
@@ -389,14 +398,6 @@ MHA_AVX2 void value_pass(const float* p, int64_t ldp, int64_t rr, int64_t nj, co
   for (; c0 < cols; c0 += 8)
     value_block<kKind, RB, 1>(p, ldp, rr, nj, v + c0, ldv, std::min<int64_t>(8, cols - c0), o + c0, ldo,
                               c0 == 0 ? page : none, next.share());
-}
-
-// The rows of the next pass with rr rows left (acc_rows_t), its vectors a
-// block (value_pass's NV), and its blocks over `cols` columns.
-constexpr int64_t pass_rows(int64_t rr) { return rr >= 6 ? 6 : rr >= 4 ? 4 : rr >= 2 ? 2 : 1; }
-constexpr int64_t pass_vectors(int64_t rb) { return rb >= 4 ? 2 : rb == 2 ? 4 : 8; }
-constexpr int64_t pass_blocks(int64_t rb, int64_t cols) {
-  return cols / (8 * pass_vectors(rb)) + (cols % (8 * pass_vectors(rb)) + 7) / 8;
 }
 
 // O (R x Ev) += P (R x n) V (n x Ev) by chunks of rows::kValueKeys keys
@@ -432,13 +433,13 @@ MHA_AVX2 void acc_rows_t(const float* p, int64_t R, int64_t n, int64_t ldp, cons
       float* orow = o + r0 * ldo;
       const PageFetch& pg = r0 == 0 ? page : none;
       if (rb == 6)
-        value_pass<kKind, 6, 2>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next);
+        value_pass<kKind, 6, pass_vectors(6)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next);
       else if (rb == 4)
-        value_pass<kKind, 4, 2>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next);
+        value_pass<kKind, 4, pass_vectors(4)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next);
       else if (rb == 2)
-        value_pass<kKind, 2, 4>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next);
+        value_pass<kKind, 2, pass_vectors(2)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next);
       else
-        value_pass<kKind, 1, 8>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next);
+        value_pass<kKind, 1, pass_vectors(1)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next);
       r0 += rb;
     }
   }
