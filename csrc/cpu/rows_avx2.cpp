@@ -13,6 +13,7 @@
 #include <limits>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #define MHA_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define MHA_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
@@ -180,22 +181,45 @@ MHA_AVX2_INLINE __m256 load_part(const Row<kKind>* row, int64_t left) {
   return load8<kKind>(t);
 }
 
-// The next chunk's value rows fetched into L2 over all the blocks of the
-// current one (each block a share of its lines, a line or so a key), so
-// that the chunk's first pass reads them from L2: float32 rows that lie
-// one after the other, four query rows of 32 x 8 x 128 heads 1.18-1.19x,
-// of 12 x 12 x 64 1.10-1.11x, the other cases 0.97-1.07x (AMD EPYC of
-// family 23, interleaved, K/V from memory). bfloat16 rows ran 0.93-0.98x
-// with it and go without; the same fetch of the next block of key rows ran
-// 0.93-0.97x.
+// 16 bfloat16 columns as two vectors of floats, the even columns (the low
+// halves of the 32-bit words, shifted up) and the odd ones (the high halves,
+// masked): a shift and an and for 16 columns where load8 takes a widening
+// and a shift for 8. The scores' query rows are put in that order (each
+// dot product then sums the even columns of a 16 before the odd: other
+// roundings than before, the same for any thread count); the P V sums are
+// put back in column order (the same sums, bit for bit). Two threads, K/V
+// from memory, against load8 (AMD EPYC of family 23): scores 1.07-1.11x,
+// P V 0.98-1.28x (1, 4 and 16 query rows of 64 and 128 columns).
+MHA_AVX2_INLINE void load16_pairs(const uint16_t* row, __m256& even, __m256& odd) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// The next chunk's value rows, adjacent in memory, fetched into L2 over all
+// the blocks of the current one (each block a share of their lines), so
+// that the chunk's first pass reads them from L2: float32 rows, four query
+// rows of 32 x 8 x 128 heads 1.18-1.19x, of 12 x 12 x 64 1.10-1.11x, the
+// other cases 0.97-1.07x (AMD EPYC of family 23, interleaved, K/V from
+// memory). Blocks of the first pass take theirs a line or so at each key;
+// blocks of later passes all at their start, and run without fetches in
+// their loop: 16 rows 1.12-1.19x. (All at the start in the first pass too:
+// one and four rows of 128 columns 0.87-0.93x.) bfloat16 rows ran
+// 0.93-0.98x with the fetch and go without; the same fetch of the next
+// block of key rows ran 0.93-0.97x.
 struct NextChunk {
   const char* first = nullptr;
-  int64_t stride = 0, row_bytes = 0, lines = 0, blocks = 1, keys = 1;
+  int64_t lines = 0, blocks = 1, keys = 1;
   int64_t at = 0;  // the blocks given their share so far
   rows::RowFetch<_MM_HINT_T1> share() {
-    if (lines == 0) return {};
+    if (lines == 0 || at >= blocks) return {};
     const int64_t b = at++;
-    return rows::RowFetch<_MM_HINT_T1>(first, stride, row_bytes, lines * b / blocks, lines * (b + 1) / blocks, keys);
+    return rows::RowFetch<_MM_HINT_T1>(first, 64, 64, lines * b / blocks, lines * (b + 1) / blocks, keys);
+  }
+  void fetch_all() {  // a share at once
+    rows::RowFetch<_MM_HINT_T1> f = share();
+    f.per = f.left;
+    f();
   }
 };
 
@@ -231,8 +255,14 @@ MHA_AVX2_INLINE void keys_dot(__m256* acc, const float* q, int64_t E, const Row<
 // float32 rows of 32 x 8 x 128 heads: 4 sums in flight for a multiply-add
 // latency of 5 cycles on Zen 1, and 5 loads for 4 multiply-adds). With 2-4
 // query rows a pass, interleaved on an AMD EPYC of family 23, K/V from
-// memory: bfloat16 1.04-1.07x, float32 1.00-1.03x. One query row keeps
-// keys_dot's rows read whole, in address order (0.84-0.94x side by side).
+// memory: bfloat16 1.04-1.07x, float32 1.00-1.03x. One float32 or float16
+// query row keeps keys_dot's rows read whole, in address order (0.84-0.94x
+// side by side); one bfloat16 row takes this routine, a key row at a time
+// (12 registers: 8 sums in flight where keys_dot's one row had a chain of
+// multiply-adds a key, and the widening took about as long as the memory).
+// The query vectors are kept in registers (the compiler would otherwise
+// reload them as an operand of each multiply-add, and a 256-bit load takes
+// both of Zen 1's load ports).
 template <int kKind, int RB, int KB>
 MHA_AVX2_INLINE void keys_dot_mixed(__m256* acc, const float* q, int64_t E, const Row<kKind>* k, int64_t ldk,
                                     int64_t nk, PageFetch& page) {
@@ -243,13 +273,40 @@ MHA_AVX2_INLINE void keys_dot_mixed(__m256* acc, const float* q, int64_t E, cons
     page(kr[c]);
   }
   int64_t e = 0;
+  if constexpr (kKind == 1) {  // (the query rows' columns in load16_pairs' order)
+    for (; e + 16 <= E; e += 16) {
+      if constexpr (RB == 1) {
+        __m256 qe = _mm256_loadu_ps(q + e), qo = _mm256_loadu_ps(q + e + 8);
+        asm("" : "+x"(qe), "+x"(qo));
+#pragma GCC unroll 8
+        for (int c = 0; c < KB; ++c) {
+          __m256 ke, ko;
+          load16_pairs(kr[c] + e, ke, ko);
+          acc[c] = _mm256_fmadd_ps(qo, ko, _mm256_fmadd_ps(qe, ke, acc[c]));
+        }
+      } else {
+        __m256 ke[KB], ko[KB];
+#pragma GCC unroll 8
+        for (int c = 0; c < KB; ++c) load16_pairs(kr[c] + e, ke[c], ko[c]);
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; ++r) {
+          __m256 qe = _mm256_loadu_ps(q + r * E + e), qo = _mm256_loadu_ps(q + r * E + e + 8);
+          asm("" : "+x"(qe), "+x"(qo));
+#pragma GCC unroll 8
+          for (int c = 0; c < KB; ++c)
+            acc[r * KB + c] = _mm256_fmadd_ps(qo, ko[c], _mm256_fmadd_ps(qe, ke[c], acc[r * KB + c]));
+        }
+      }
+    }
+  }
   for (; e + 8 <= E; e += 8) {
     __m256 kv[KB];
 #pragma GCC unroll 8
     for (int c = 0; c < KB; ++c) kv[c] = load8<kKind>(kr[c] + e);
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
-      const __m256 qv = _mm256_loadu_ps(q + r * E + e);
+      __m256 qv = _mm256_loadu_ps(q + r * E + e);
+      asm("" : "+x"(qv));
 #pragma GCC unroll 8
       for (int c = 0; c < KB; ++c) acc[r * KB + c] = _mm256_fmadd_ps(qv, kv[c], acc[r * KB + c]);
     }
@@ -279,7 +336,7 @@ MHA_AVX2 void score_block(const float* q, int64_t E, const Row<kKind>* k, int64_
     __m256 acc[8];
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-    if constexpr (RB == 1)
+    if constexpr (RB == 1 && kKind != 1)
       keys_dot<kKind, RB, KB>(acc, q, E, k + k0 * ldk, ldk, nc - k0, page, std::make_integer_sequence<int, KB>{});
     else
       keys_dot_mixed<kKind, RB, KB>(acc, q, E, k + k0 * ldk, ldk, nc - k0, page);
@@ -302,6 +359,19 @@ MHA_AVX2 void dot_rows_t(const float* q, int64_t R, int64_t E, const Row<kKind>*
                          int64_t lds, bool far_fetch) {
   const int64_t elem = sizeof(Row<kKind>), row_bytes = E * elem;
   const bool adjacent = ldk == E;
+  if constexpr (kKind == 1) {  // the query rows' columns in load16_pairs' order: each 16 even, then odd
+    thread_local std::vector<float> pairs;
+    pairs.resize(static_cast<size_t>(R * E));
+    const int64_t whole = E / 16 * 16;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* from = q + r * E;
+      float* to = pairs.data() + r * E;
+      for (int64_t e = 0; e < whole; e += 16)
+        for (int i = 0; i < 8; ++i) to[e + i] = from[e + 2 * i], to[e + 8 + i] = from[e + 2 * i + 1];
+      std::copy(from + whole, from + E, to + whole);
+    }
+    q = pairs.data();
+  }
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
     const int64_t nc = std::min<int64_t>(16, n - c0);
     const Row<kKind>* kc = k + c0 * ldk;
@@ -326,11 +396,16 @@ MHA_AVX2 void dot_rows_t(const float* q, int64_t R, int64_t E, const Row<kKind>*
 // O (RB rows, ldo) += P (RB x nj, ldp) V (nj rows, ldv) over 8 NV columns
 // (or, with NV = 1, cols <= 8 of them): the RB x NV sums in registers, each
 // in key order, added to O at the end. Rows past rr repeat the last real
-// one (computed, never stored).
-template <int kKind, int RB, int NV>
+// one (computed, never stored). bfloat16 blocks of 16 columns or more read
+// them as even and odd columns (load16_pairs), the sums put back in column
+// order at the end. Only a block with kFetch fetches at each key: without
+// that bookkeeping in the loop (a few branches and reloads a key), the
+// blocks after the first ran bfloat16 P V 1.19-1.23x in one thread.
+template <int kKind, int RB, int NV, bool kFetch>
 MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, const Row<kKind>* v, int64_t ldv,
                           int64_t cols, float* o, int64_t ldo, const PageFetch& page_in,
-                          rows::RowFetch<_MM_HINT_T1> next) {
+                          rows::RowFetch<_MM_HINT_T1> next = {}) {
+  constexpr bool kPairs = kKind == 1 && NV % 2 == 0;
   PageFetch page = page_in;
   const float* pr[RB];
 #pragma GCC unroll 8
@@ -343,9 +418,27 @@ MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, c
   const bool part = NV == 1 && cols < 8;
   for (int64_t j = 0; j < nj; ++j) {
     const Row<kKind>* vr = v + j * ldv;
-    page(vr);
-    next();
-    if constexpr (RB == 1) {  // a value vector for one multiply-add: loaded as it is used
+    if constexpr (kFetch) page(vr), next();
+    if constexpr (kPairs && RB == 1) {
+      const __m256 pb = _mm256_broadcast_ss(pr[0] + j);
+#pragma GCC unroll 8
+      for (int y = 0; y < NV / 2; ++y) {
+        __m256 we, wo;
+        load16_pairs(vr + 16 * y, we, wo);
+        acc[0][2 * y] = _mm256_fmadd_ps(pb, we, acc[0][2 * y]);
+        acc[0][2 * y + 1] = _mm256_fmadd_ps(pb, wo, acc[0][2 * y + 1]);
+      }
+    } else if constexpr (kPairs) {
+      __m256 w[NV];
+#pragma GCC unroll 8
+      for (int y = 0; y < NV / 2; ++y) load16_pairs(vr + 16 * y, w[2 * y], w[2 * y + 1]);
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        const __m256 pb = _mm256_broadcast_ss(pr[r] + j);
+#pragma GCC unroll 8
+        for (int x = 0; x < NV; ++x) acc[r][x] = _mm256_fmadd_ps(pb, w[x], acc[r][x]);
+      }
+    } else if constexpr (RB == 1) {  // a value vector for one multiply-add: loaded as it is used
       const __m256 pb = _mm256_broadcast_ss(pr[0] + j);
 #pragma GCC unroll 8
       for (int x = 0; x < NV; ++x)
@@ -359,6 +452,18 @@ MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, c
         const __m256 pb = _mm256_broadcast_ss(pr[r] + j);
 #pragma GCC unroll 8
         for (int x = 0; x < NV; ++x) acc[r][x] = _mm256_fmadd_ps(pb, w[x], acc[r][x]);
+      }
+    }
+  }
+  if constexpr (kPairs) {  // even and odd columns of each 16 back in column order
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; ++r) {
+#pragma GCC unroll 8
+      for (int y = 0; y < NV / 2; ++y) {
+        const __m256 lo = _mm256_unpacklo_ps(acc[r][2 * y], acc[r][2 * y + 1]);  // columns 0-3 | 8-11
+        const __m256 hi = _mm256_unpackhi_ps(acc[r][2 * y], acc[r][2 * y + 1]);  // 4-7 | 12-15
+        acc[r][2 * y] = _mm256_permute2f128_ps(lo, hi, 0x20);
+        acc[r][2 * y + 1] = _mm256_permute2f128_ps(lo, hi, 0x31);
       }
     }
   }
@@ -387,17 +492,26 @@ constexpr int64_t pass_blocks(int64_t rb, int64_t cols) {
 
 // One pass of RB rows over the columns [0, cols) of a chunk: blocks of 8 NV
 // columns, then single vectors, the last maybe partial (with NV = 1 only
-// that one).
+// that one). In the chunk's first pass (`page` given) the first block takes
+// `page` at each key, and the blocks with a share of the next chunk take it
+// spread over their keys; the other blocks fetch nothing in their loop.
 template <int kKind, int RB, int NV>
 MHA_AVX2 void value_pass(const float* p, int64_t ldp, int64_t rr, int64_t nj, const Row<kKind>* v, int64_t ldv,
-                         int64_t cols, float* o, int64_t ldo, const PageFetch& page, NextChunk& next) {
+                         int64_t cols, float* o, int64_t ldo, const PageFetch* page, NextChunk& next) {
   const PageFetch none;
   int64_t c0 = 0;
-  for (; c0 + 8 * NV <= cols; c0 += 8 * NV)
-    value_block<kKind, RB, NV>(p, ldp, rr, nj, v + c0, ldv, 8 * NV, o + c0, ldo, c0 == 0 ? page : none, next.share());
+  for (; c0 + 8 * NV <= cols; c0 += 8 * NV) {
+    if (page != nullptr && (c0 == 0 || next.lines > 0)) {
+      value_block<kKind, RB, NV, true>(p, ldp, rr, nj, v + c0, ldv, 8 * NV, o + c0, ldo, c0 == 0 ? *page : none,
+                                       next.share());
+    } else {
+      next.fetch_all();
+      value_block<kKind, RB, NV, false>(p, ldp, rr, nj, v + c0, ldv, 8 * NV, o + c0, ldo, none);
+    }
+  }
   for (; c0 < cols; c0 += 8)
-    value_block<kKind, RB, 1>(p, ldp, rr, nj, v + c0, ldv, std::min<int64_t>(8, cols - c0), o + c0, ldo,
-                              c0 == 0 ? page : none, next.share());
+    value_block<kKind, RB, 1, true>(p, ldp, rr, nj, v + c0, ldv, std::min<int64_t>(8, cols - c0), o + c0, ldo,
+                                    c0 == 0 && page != nullptr ? *page : none, next.share());
 }
 
 // O (R x Ev) += P (R x n) V (n x Ev) by chunks of rows::kValueKeys keys
@@ -415,8 +529,7 @@ MHA_AVX2 void acc_rows_t(const float* p, int64_t R, int64_t n, int64_t ldp, cons
     const int64_t nj = std::min(rows::kValueKeys, n - j0);
     const Row<kKind>* vc = v + j0 * ldv;
     const PageFetch page = ldv == Ev ? PageFetch::first_pass(vc, ldv * elem, row_bytes, nj, elem, far_fetch)
-                                     : PageFetch::strided(far_fetch, ldv * elem, row_bytes),
-                    none;
+                                     : PageFetch::strided(far_fetch, ldv * elem, row_bytes);
     const int64_t ahead = std::clamp<int64_t>(n - j0 - rows::kValueKeys, 0, rows::kValueKeys);
     if (ldv != Ev) rows::fetch_rows_l2(vc + rows::kValueKeys * ldv, ldv * elem, ahead, row_bytes);
     NextChunk next;
@@ -424,14 +537,13 @@ MHA_AVX2 void acc_rows_t(const float* p, int64_t R, int64_t n, int64_t ldp, cons
       int64_t blocks = 0;
       for (int64_t r0 = 0; r0 < R; r0 += pass_rows(R - r0)) blocks += pass_blocks(pass_rows(R - r0), Ev);
       next.first = reinterpret_cast<const char*>(vc + rows::kValueKeys * ldv);
-      next.stride = ldv * elem, next.row_bytes = row_bytes, next.lines = ahead * ((row_bytes + 63) / 64);
-      next.blocks = blocks, next.keys = nj;
+      next.lines = (ahead * row_bytes + 63) / 64, next.blocks = blocks, next.keys = nj;
     }
     for (int64_t r0 = 0; r0 < R;) {
       const int64_t rr = R - r0, rb = pass_rows(rr);
       const float* pr = p + r0 * ldp + j0;
       float* orow = o + r0 * ldo;
-      const PageFetch& pg = r0 == 0 ? page : none;
+      const PageFetch* pg = r0 == 0 ? &page : nullptr;
       if (rb == 6)
         value_pass<kKind, 6, pass_vectors(6)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next);
       else if (rb == 4)
