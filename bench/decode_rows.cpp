@@ -9,14 +9,16 @@
 //     WHICH 1 the scores, 2 P V, 3 both (default); T threads (default 2); FAR the far fetch (default 1)
 //
 // Two versions interleaved in one process: build another version of
-// rows_avx2.cpp into the namespace mha_old and define MHA_ROWS_OLD; the
-// program then times both, run for run, and prints the largest difference
-// of their scores and of their outputs, each over the largest magnitude.
+// rows_avx2.cpp into the namespace mha_old and name its header (the
+// namespace renamed) in MHA_ROWS_OLD; the program then times both, run for
+// run, and prints the largest difference of their scores and of their
+// outputs, each over the largest magnitude.
 //
 //   git show HEAD~1:csrc/cpu/rows_avx2.cpp > /tmp/rows_old.cpp
+//   git show HEAD~1:csrc/cpu/rows_avx2.h | sed 's/namespace mha_ext/namespace mha_old/' > /tmp/rows_old.h
 //   g++ -std=c++17 -O3 -c -Dmha_ext=mha_old -Icsrc/cpu /tmp/rows_old.cpp -o /tmp/rows_old.o
-//   g++ -std=c++17 -O3 -pthread -DMHA_ROWS_OLD bench/decode_rows.cpp csrc/cpu/rows_avx2.cpp
-//       /tmp/rows_old.o -o /tmp/decode_rows_ab
+//   g++ -std=c++17 -O3 -pthread -DMHA_ROWS_OLD='"/tmp/rows_old.h"' bench/decode_rows.cpp
+//       csrc/cpu/rows_avx2.cpp /tmp/rows_old.o -o /tmp/decode_rows_ab
 #include "../csrc/cpu/rows_avx2.h"
 
 #include <algorithm>
@@ -30,17 +32,7 @@
 #include <vector>
 
 #ifdef MHA_ROWS_OLD
-namespace mha_old {
-namespace cpu {
-namespace avx2 {
-enum class RowKind : int { kFloat = 0, kBf16 = 1, kHalf = 2 };
-void dot_rows(const float* q, int64_t R, int64_t E, const void* k, RowKind kind, int64_t ldk, int64_t n, float* s,
-              int64_t lds, bool far_fetch);
-void acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const void* v, RowKind kind, int64_t ldv, int64_t Ev,
-              float* o, int64_t ldo, bool far_fetch);
-}  // namespace avx2
-}  // namespace cpu
-}  // namespace mha_old
+#include MHA_ROWS_OLD  // the other version's rows_avx2.h, its namespace renamed mha_old (above)
 #endif
 
 namespace {
