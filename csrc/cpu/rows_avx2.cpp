@@ -398,9 +398,9 @@ MHA_AVX2 void dot_rows_t(const float* q, int64_t R, int64_t E, const Row<kKind>*
 // into L2 (0: the row itself, about to be read). Against block 0 fetching
 // whole rows (PageFetch) and the other blocks nothing, two threads, K/V from
 // memory (AMD EPYC of family 23): bfloat16 P V of 4 query rows 1.31-1.40x
-// with the far fetch, bfloat16 and float16 1, 4 and 16 rows 0.99-1.10x
-// whole decode steps. Float32 rows ran this 0.86-0.93x (1 and 4 rows, but
-// 16 rows 1.28x) and keep PageFetch and NextChunk.
+// with the far fetch, bfloat16 and float16 1, 4 and 16 rows 0.92-1.14x
+// whole decode steps. Float32 rows ran this 0.84-0.93x (1 and 4 rows of 128
+// columns, but 16 rows 1.23-1.31x) and keep PageFetch and NextChunk.
 struct StripFetch {
   int64_t l1 = 0, l2 = 0;
 };
@@ -410,9 +410,11 @@ struct StripFetch {
 // in key order, added to O at the end. Rows past rr repeat the last real
 // one (computed, never stored). bfloat16 blocks of 16 columns or more read
 // them as even and odd columns (load16_pairs), the sums put back in column
-// order at the end. Only a block with kFetch fetches at each key: without
-// that bookkeeping in the loop (a few branches and reloads a key), the
-// blocks after the first ran bfloat16 P V 1.19-1.23x in one thread.
+// order at the end. Only a block with kFetch fetches at each key: float32
+// rows by PageFetch and RowFetch, whose bookkeeping in the loop (a few
+// branches and reloads a key) the blocks with nothing to fetch go without
+// (bfloat16 P V 1.19-1.23x in one thread when it still took that form),
+// 16-bit rows by StripFetch.
 template <int kKind, int RB, int NV, bool kFetch>
 MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, const Row<kKind>* v, int64_t ldv,
                           int64_t cols, float* o, int64_t ldo, const PageFetch& page_in,
