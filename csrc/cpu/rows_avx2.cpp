@@ -559,8 +559,10 @@ MHA_AVX2 void acc_rows_t(const float* p, int64_t R, int64_t n, int64_t ldp, cons
   for (int64_t j0 = 0; j0 < n; j0 += rows::kValueKeys) {
     const int64_t nj = std::min(rows::kValueKeys, n - j0);
     const Row<kKind>* vc = v + j0 * ldv;
-    const PageFetch page = ldv == Ev ? PageFetch::first_pass(vc, ldv * elem, row_bytes, nj, elem, far_fetch)
-                                     : PageFetch::strided(far_fetch, ldv * elem, row_bytes);
+    // (float32 rows; 16-bit rows fetch by StripFetch, `page` only marking the first pass)
+    const PageFetch page = kKind != 0   ? PageFetch{}
+                           : ldv == Ev ? PageFetch::first_pass(vc, ldv * elem, row_bytes, nj, elem, far_fetch)
+                                       : PageFetch::strided(far_fetch, ldv * elem, row_bytes);
     const int64_t ahead = std::clamp<int64_t>(n - j0 - rows::kValueKeys, 0, rows::kValueKeys);
     if (ldv != Ev) rows::fetch_rows_l2(vc + rows::kValueKeys * ldv, ldv * elem, ahead, row_bytes);
     NextChunk next;

@@ -129,11 +129,11 @@ inline void* start_frame(char* stack, size_t bytes, void (*entry)()) {
 
 struct Fiber {
 #ifdef MHA_EMUL_STACK_SWITCH
-  void* sp = nullptr;
+  void* sp = nullptr;  // (its stack is the launch's, one a thread)
 #else
   ucontext_t ctx{};
-#endif
   std::unique_ptr<char[]> stack;
+#endif
   bool done = false;
   Wait wait = Wait::kNone;
   std::vector<PendingCopy> open_group;            // issued since the last commit
@@ -182,6 +182,15 @@ inline void yield_to_scheduler(Block& b, Fiber& f) {
   switch_stack(&f.sp, b.scheduler);
 #else
   swapcontext(&f.ctx, &b.scheduler);
+#endif
+}
+
+// The scheduler hands the calling OS thread to thread f, until it yields.
+inline void resume(Block& b, Fiber& f) {
+#ifdef MHA_EMUL_STACK_SWITCH
+  switch_stack(&b.scheduler, f.sp);
+#else
+  swapcontext(&b.scheduler, &f.ctx);
 #endif
 }
 
@@ -312,11 +321,7 @@ inline void launch(dim3 grid, dim3 block, size_t shared_bytes, const std::functi
           const int t = first_runnable(b);
           if (t >= 0) {
             b.current = t;
-#ifdef MHA_EMUL_STACK_SWITCH
-            switch_stack(&b.scheduler, b.fibers[t].sp);
-#else
-            swapcontext(&b.scheduler, &b.fibers[t].ctx);
-#endif
+            resume(b, b.fibers[t]);
             b.current = -1;
             if (b.error) {
               tl_block = outer;
