@@ -125,14 +125,19 @@ inline void* start_frame(char* stack, size_t bytes, void (*entry)()) {
   slot[-9] = csr | static_cast<uint64_t>(cw) << 32;
   return slot - 9;
 }
+
+using Context = void*;  // the stack pointer of switch_stack's saved frame
+// Saves the running context in *save and resumes *load.
+inline void swap_context(Context* save, Context* load) { switch_stack(save, *load); }
+#else
+using Context = ucontext_t;
+inline void swap_context(Context* save, Context* load) { swapcontext(save, load); }
 #endif
 
 struct Fiber {
-#ifdef MHA_EMUL_STACK_SWITCH
-  void* sp = nullptr;  // (its stack is the launch's, one a thread)
-#else
-  ucontext_t ctx{};
-  std::unique_ptr<char[]> stack;
+  Context ctx{};
+#ifndef MHA_EMUL_STACK_SWITCH
+  std::unique_ptr<char[]> stack;  // (with the stack switch, the launch's, one a thread)
 #endif
   bool done = false;
   Wait wait = Wait::kNone;
@@ -147,11 +152,7 @@ struct Block {
   std::vector<uint64_t> slots;  // one exchange slot per thread
   std::vector<uint32_t> wide;   // kWideWords per thread, for warp-wide fragment exchanges
   std::vector<unsigned char> shared;
-#ifdef MHA_EMUL_STACK_SWITCH
-  void* scheduler = nullptr;
-#else
-  ucontext_t scheduler{};
-#endif
+  Context scheduler{};
   int current = -1;
   // The scheduler's books, kept as the threads wait, finish and are freed:
   // a bit a thread that can run (not done, not waiting), the threads at a
@@ -177,22 +178,7 @@ inline void set_runnable(Block& b, int t, bool on) {
 }
 
 // The running thread hands the calling OS thread back to the scheduler.
-inline void yield_to_scheduler(Block& b, Fiber& f) {
-#ifdef MHA_EMUL_STACK_SWITCH
-  switch_stack(&f.sp, b.scheduler);
-#else
-  swapcontext(&f.ctx, &b.scheduler);
-#endif
-}
-
-// The scheduler hands the calling OS thread to thread f, until it yields.
-inline void resume(Block& b, Fiber& f) {
-#ifdef MHA_EMUL_STACK_SWITCH
-  switch_stack(&b.scheduler, f.sp);
-#else
-  swapcontext(&b.scheduler, &f.ctx);
-#endif
-}
+inline void yield_to_scheduler(Block& b, Fiber& f) { swap_context(&f.ctx, &b.scheduler); }
 
 inline void fiber_entry() {
   Block& b = *tl_block;
@@ -302,7 +288,7 @@ inline void launch(dim3 grid, dim3 block, size_t shared_bytes, const std::functi
         for (int t = 0; t < n; ++t) {
           Fiber& f = b.fibers[t];
 #ifdef MHA_EMUL_STACK_SWITCH
-          f.sp = start_frame(stacks[t].get(), stack_bytes, &fiber_entry);
+          f.ctx = start_frame(stacks[t].get(), stack_bytes, &fiber_entry);
 #else
           f.stack.reset(new char[stack_bytes]);
           getcontext(&f.ctx);
@@ -321,7 +307,7 @@ inline void launch(dim3 grid, dim3 block, size_t shared_bytes, const std::functi
           const int t = first_runnable(b);
           if (t >= 0) {
             b.current = t;
-            resume(b, b.fibers[t]);
+            swap_context(&b.scheduler, &b.fibers[t].ctx);
             b.current = -1;
             if (b.error) {
               tl_block = outer;
