@@ -36,13 +36,21 @@ MHA_AVX2_INLINE float hsum(__m256 x) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 +
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
-// Lane i: the sum of the lanes of x[i], by a fixed tree (pairs, quads,
-// halves), so that each sum is the same wherever it sits.
-MHA_AVX2_INLINE __m256 sum8(const __m256* x) {
-  const __m256 h01 = _mm256_hadd_ps(x[0], x[1]), h23 = _mm256_hadd_ps(x[2], x[3]);
-  const __m256 h45 = _mm256_hadd_ps(x[4], x[5]), h67 = _mm256_hadd_ps(x[6], x[7]);
-  const __m256 g0 = _mm256_hadd_ps(h01, h23), g1 = _mm256_hadd_ps(h45, h67);  // quads; halves in the 128-bit lanes
-  return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
+// Lane i of lo (of hi): the sum of the lanes of x[i] (x[4 + i]), by a
+// fixed tree ((0 + 4) + (1 + 5)) + ((2 + 6) + (3 + 7)), so that each sum is
+// the same wherever it sits: 128-bit halves added first (an extract and an
+// add a vector), then pairs and quads by 128-bit horizontal adds, and
+// score_block stores each row's sums from these registers. Against 256-bit
+// horizontal adds, two lane-crossing permutes and the sums copied out through
+// a buffer (AMD EPYC of family 23, interleaved, bench/decode_rows.cpp): the
+// scores of 1-16 query rows of 64 and 128 columns, every kind, 1.02-1.23x in
+// the caches (four float32 rows of 64 columns 1.17x), 0.97-1.10x from memory.
+MHA_AVX2_INLINE void sum8(const __m256* x, __m128& lo, __m128& hi) {
+  __m128 y[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) y[i] = _mm_add_ps(_mm256_castps256_ps128(x[i]), _mm256_extractf128_ps(x[i], 1));
+  lo = _mm_hadd_ps(_mm_hadd_ps(y[0], y[1]), _mm_hadd_ps(y[2], y[3]));
+  hi = _mm_hadd_ps(_mm_hadd_ps(y[4], y[5]), _mm_hadd_ps(y[6], y[7]));
 }
 
 // ---- softmax rows ------------------------------------------------------------
@@ -340,12 +348,25 @@ MHA_AVX2 void score_block(const float* q, int64_t E, const Row<kKind>* k, int64_
       keys_dot<kKind, RB, KB>(acc, q, E, k + k0 * ldk, ldk, nc - k0, page, std::make_integer_sequence<int, KB>{});
     else
       keys_dot_mixed<kKind, RB, KB>(acc, q, E, k + k0 * ldk, ldk, nc - k0, page);
-    alignas(32) float t[8];  // lane r KB + c: row r, key k0 + c
-    _mm256_store_ps(t, sum8(acc));
-    const int64_t m = std::min<int64_t>(KB, nc - k0);
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r)
-      for (int64_t c = 0; c < m; ++c) s[r * lds + k0 + c] = t[r * KB + c];
+    __m128 lo, hi;  // lane r KB + c of (lo, hi): row r, key k0 + c
+    sum8(acc, lo, hi);
+    float* out = s + k0;
+    if (k0 + KB <= nc) {  // each row's KB scores stored whole
+      if constexpr (KB == 8) {
+        _mm_storeu_ps(out, lo), _mm_storeu_ps(out + 4, hi);
+      } else if constexpr (KB == 4) {
+        _mm_storeu_ps(out, lo), _mm_storeu_ps(out + lds, hi);
+      } else {
+        _mm_storel_pi(reinterpret_cast<__m64*>(out), lo), _mm_storeh_pi(reinterpret_cast<__m64*>(out + lds), lo);
+        _mm_storel_pi(reinterpret_cast<__m64*>(out + 2 * lds), hi);
+        _mm_storeh_pi(reinterpret_cast<__m64*>(out + 3 * lds), hi);
+      }
+    } else {
+      alignas(16) float t[8];
+      _mm_store_ps(t, lo), _mm_store_ps(t + 4, hi);
+      for (int r = 0; r < RB; ++r)
+        for (int64_t c = 0; c < nc - k0; ++c) out[r * lds + c] = t[r * KB + c];
+    }
   }
 }
 
