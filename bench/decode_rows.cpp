@@ -1,24 +1,27 @@
-// The AVX2 decode routines (csrc/cpu/rows_avx2.cpp: dot_rows, acc_rows)
+// The AVX2 decode routines (csrc/cpu/rows_avx2.cpp: dot_rows, acc_rows; rows_lanes_avx2.cpp)
 // outside the op, in ns a key and GB/s, over tiles of 256 keys as the decode
 // kernel calls them; T threads, each on its own K/V of S keys (64 MiB and
 // more come from memory, a few hundred KiB stay in L2). Medians of 21 runs.
 //
-//   g++ -std=c++17 -O3 -pthread bench/decode_rows.cpp csrc/cpu/rows_avx2.cpp -o /tmp/decode_rows
+//   g++ -std=c++17 -O3 -pthread bench/decode_rows.cpp csrc/cpu/rows_avx2.cpp csrc/cpu/rows_lanes_avx2.cpp \
+//       -o /tmp/decode_rows
 //   /tmp/decode_rows KIND R E S [WHICH [T [FAR]]]
 //     KIND 0 float32, 1 bfloat16, 2 float16 rows; R query rows, E columns (key and value);
 //     WHICH 1 the scores, 2 P V, 3 both (default); T threads (default 2); FAR the far fetch (default 1)
 //
 // Two versions interleaved in one process: build another version of
-// rows_avx2.cpp into the namespace mha_old and name its header (the
-// namespace renamed) in MHA_ROWS_OLD; the program then times both, run for
-// run, and prints the largest difference of their scores and of their
-// outputs, each over the largest magnitude.
+// rows_avx2.cpp and rows_lanes_avx2.cpp into the namespace mha_old and name
+// its header (the namespace renamed) in MHA_ROWS_OLD; the program then times
+// both, run for run, and prints the largest difference of their scores and
+// of their outputs, each over the largest magnitude.
 //
-//   git show HEAD~1:csrc/cpu/rows_avx2.cpp > /tmp/rows_old.cpp
-//   git show HEAD~1:csrc/cpu/rows_avx2.h | sed 's/namespace mha_ext/namespace mha_old/' > /tmp/rows_old.h
-//   g++ -std=c++17 -O3 -c -Dmha_ext=mha_old -Icsrc/cpu /tmp/rows_old.cpp -o /tmp/rows_old.o
-//   g++ -std=c++17 -O3 -pthread -DMHA_ROWS_OLD='"/tmp/rows_old.h"' bench/decode_rows.cpp
-//       csrc/cpu/rows_avx2.cpp /tmp/rows_old.o -o /tmp/decode_rows_ab
+//   (a version from before rows_lanes_avx2.cpp: rows_avx2.cpp alone)
+//   mkdir -p /tmp/old && for f in rows_avx2.cpp rows_lanes_avx2.cpp; do
+//     git show HEAD~1:csrc/cpu/$f > /tmp/old/$f
+//     g++ -std=c++17 -O3 -c -Dmha_ext=mha_old -Icsrc/cpu /tmp/old/$f -o /tmp/old/$f.o; done
+//   git show HEAD~1:csrc/cpu/rows_avx2.h | sed 's/namespace mha_ext/namespace mha_old/' > /tmp/old/rows_avx2.h
+//   g++ -std=c++17 -O3 -pthread -DMHA_ROWS_OLD='"/tmp/old/rows_avx2.h"' bench/decode_rows.cpp
+//       csrc/cpu/rows_avx2.cpp csrc/cpu/rows_lanes_avx2.cpp /tmp/old/*.o -o /tmp/decode_rows_ab
 #include "../csrc/cpu/rows_avx2.h"
 
 #include <algorithm>

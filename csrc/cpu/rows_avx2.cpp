@@ -15,9 +15,6 @@
 #include <utility>
 #include <vector>
 
-#define MHA_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define MHA_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
-
 namespace mha_ext {
 namespace cpu {
 namespace avx2 {
@@ -44,7 +41,8 @@ MHA_AVX2_INLINE float hsum(__m256 x) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 +
 // horizontal adds, two lane-crossing permutes and the sums copied out through
 // a buffer (AMD EPYC of family 23, interleaved, bench/decode_rows.cpp): the
 // scores of 1-16 query rows of 64 and 128 columns, every kind, 1.02-1.23x in
-// the caches (four float32 rows of 64 columns 1.17x), 0.97-1.10x from memory.
+// the caches (four float32 rows of 64 columns 1.17x); from memory mostly
+// 1.00-1.10x, with this VM's run-to-run spread of 0.85-1.48x.
 MHA_AVX2_INLINE void sum8(const __m256* x, __m128& lo, __m128& hi) {
   __m128 y[8];
 #pragma GCC unroll 8
@@ -619,6 +617,9 @@ MHA_AVX2 void acc_rows_t(const float* p, int64_t R, int64_t n, int64_t ldp, cons
 void dot_rows(const float* q, int64_t R, int64_t E, const void* k, RowKind kind, int64_t ldk, int64_t n, float* s,
               int64_t lds, bool far_fetch) {
   far_fetch = far_fetch && kind != RowKind::kFloat;
+  const int64_t taken = dot_rows_lanes(q, R, E, k, kind, ldk, n, s, lds, far_fetch);
+  if (taken == R) return;
+  q += taken * E, s += taken * lds, R -= taken;
   if (kind == RowKind::kFloat) return dot_rows_t<0>(q, R, E, static_cast<const float*>(k), ldk, n, s, lds, far_fetch);
   const auto* k16 = static_cast<const uint16_t*>(k);
   if (kind == RowKind::kBf16) return dot_rows_t<1>(q, R, E, k16, ldk, n, s, lds, far_fetch);

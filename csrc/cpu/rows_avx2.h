@@ -34,6 +34,11 @@ enum class RowKind : int { kFloat = 0, kBf16 = 1, kHalf = 2 };
 // s[r * lds + c] = dot(q row r, key row c): R query rows (R x E, dense), n key rows (row stride ldk)
 void dot_rows(const float* q, int64_t R, int64_t E, const void* k, RowKind kind, int64_t ldk, int64_t n, float* s,
               int64_t lds, bool far_fetch);
+// The same for the query rows in whole groups of 16, one a vector lane
+// (rows_lanes_avx2.cpp): returns how many of the R rows it took (R / 16 * 16);
+// dot_rows takes them first and the rest itself.
+int64_t dot_rows_lanes(const float* q, int64_t R, int64_t E, const void* k, RowKind kind, int64_t ldk, int64_t n,
+                       float* s, int64_t lds, bool far_fetch);
 // o[r * ldo + c] += sum over j < n of p[r * ldp + j] v[j * ldv + c], R rows, Ev columns
 void acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const void* v, RowKind kind, int64_t ldv, int64_t Ev,
               float* o, int64_t ldo, bool far_fetch);

@@ -1,6 +1,6 @@
 // The x86 intrinsics of the SIMD translation units (gemm_cpu.cpp,
-// rows_cpu.cpp): MHA_X86 says whether they are there (x86-64 with GCC or
-// Clang); elsewhere only the portable paths are built.
+// rows_cpu.cpp, rows_avx2.cpp, ...): MHA_X86 says whether they are there
+// (x86-64 with GCC or Clang); elsewhere only the portable paths are built.
 #pragma once
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -12,6 +12,9 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #pragma GCC diagnostic pop
+// the target of the AVX2 + FMA routines (rows_avx2.cpp, rows_lanes_avx2.cpp)
+#define MHA_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define MHA_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 #else
 #define MHA_X86 0
 #endif
