@@ -5,9 +5,11 @@
 //
 //   g++ -std=c++17 -O3 -pthread bench/decode_rows.cpp csrc/cpu/rows_avx2.cpp csrc/cpu/rows_lanes_avx2.cpp \
 //       -o /tmp/decode_rows
-//   /tmp/decode_rows KIND R E S [WHICH [T [FAR]]]
+//   /tmp/decode_rows KIND R E S [WHICH [T [FAR [PASSES]]]]
 //     KIND 0 float32, 1 bfloat16, 2 float16 rows; R query rows, E columns (key and value);
-//     WHICH 1 the scores, 2 P V, 3 both (default); T threads (default 2); FAR the far fetch (default 1)
+//     WHICH 1 the scores, 2 P V, 3 both (default); T threads (default 2); FAR the far fetch (default 1);
+//     PASSES over the K/V a run (default 1): with S = 256 and a few thousand, K/V stay in L1 / L2 and
+//     the figures are the routines' own time a key (times the clock: their cycles a key).
 //
 // Two versions interleaved in one process: build another version of
 // rows_avx2.cpp and rows_lanes_avx2.cpp into the namespace mha_old and name
@@ -55,13 +57,17 @@ struct Work {
 };
 
 template <typename Kind, typename Dot, typename Acc>
-void run_tiles(Work& w, int kind, int64_t R, int64_t E, int64_t S, int which, bool far, Dot dot, Acc acc) {
+void run_tiles(Work& w, int kind, int64_t R, int64_t E, int64_t S, int which, bool far, int64_t passes, Dot dot,
+               Acc acc) {
   const int64_t elem = kind == 0 ? 4 : 2;
-  for (int64_t j0 = 0; j0 < S; j0 += kTile) {
-    if (which & 1)
-      dot(w.q.data(), R, E, w.k.data() + j0 * E * elem, static_cast<Kind>(kind), E, kTile, w.s.data(), kTile, far);
-    if (which & 2)
-      acc(w.s.data(), R, kTile, kTile, w.v.data() + j0 * E * elem, static_cast<Kind>(kind), E, E, w.o.data(), E, far);
+  for (int64_t pass = 0; pass < passes; ++pass) {
+    for (int64_t j0 = 0; j0 < S; j0 += kTile) {
+      if (which & 1)
+        dot(w.q.data(), R, E, w.k.data() + j0 * E * elem, static_cast<Kind>(kind), E, kTile, w.s.data(), kTile, far);
+      if (which & 2)
+        acc(w.s.data(), R, kTile, kTile, w.v.data() + j0 * E * elem, static_cast<Kind>(kind), E, E, w.o.data(), E,
+            far);
+    }
   }
 }
 }  // namespace
@@ -75,7 +81,8 @@ int main(int argc, char** argv) {
   const int64_t R = std::atol(argv[2]), E = std::atol(argv[3]), S = std::atol(argv[4]) / kTile * kTile;
   const int which = argc > 5 ? std::atoi(argv[5]) : 3, T = argc > 6 ? std::atoi(argv[6]) : 2;
   const bool far = argc > 7 ? std::atoi(argv[7]) != 0 : true;
-  if (kind < 0 || kind > 2 || R < 1 || E < 1 || S < kTile || which < 1 || which > 3 || T < 1) {
+  const int64_t passes = argc > 8 ? std::atol(argv[8]) : 1;
+  if (kind < 0 || kind > 2 || R < 1 || E < 1 || S < kTile || which < 1 || which > 3 || T < 1 || passes < 1) {
     std::fprintf(stderr, "bad arguments\n");
     return 2;
   }
@@ -106,11 +113,11 @@ int main(int argc, char** argv) {
 #ifdef MHA_ROWS_OLD
         if (old_version) {
           namespace was = mha_old::cpu::avx2;
-          return run_tiles<was::RowKind>(works[t], kind, R, E, S, which, far, was::dot_rows, was::acc_rows);
+          return run_tiles<was::RowKind>(works[t], kind, R, E, S, which, far, passes, was::dot_rows, was::acc_rows);
         }
 #endif
         (void)old_version;
-        run_tiles<now::RowKind>(works[t], kind, R, E, S, which, far, now::dot_rows, now::acc_rows);
+        run_tiles<now::RowKind>(works[t], kind, R, E, S, which, far, passes, now::dot_rows, now::acc_rows);
       });
     for (auto& x : th) x.join();
   };
@@ -142,13 +149,15 @@ int main(int argc, char** argv) {
   for (int rep = 0; rep < 21; ++rep)
     for (int x = versions - 1; x >= 0; --x) times[x].push_back(timed(x == 1));
   const double bytes = double(T) * S * E * elem * ((which & 1) + (which >> 1));
-  std::printf("kind %d, %lld rows, %lld columns, %lld keys a thread, %d threads, %s:", kind, (long long)R,
-              (long long)E, (long long)S, T, which == 1 ? "scores" : which == 2 ? "P V" : "both");
+  std::printf("kind %d, %lld rows, %lld columns, %lld keys a thread x %lld passes, %d threads, %s:", kind,
+              (long long)R, (long long)E, (long long)S, (long long)passes, T,
+              which == 1 ? "scores" : which == 2 ? "P V" : "both");
   double med[2];
   for (int x = versions - 1; x >= 0; --x) {
     std::sort(times[x].begin(), times[x].end());
     med[x] = times[x][times[x].size() / 2];
-    std::printf("  %s %.1f ns a key, %.2f GB/s", x == 1 ? "old" : "this", med[x] * 1e9 / S, bytes / med[x] / 1e9);
+    std::printf("  %s %.1f ns a key, %.2f GB/s", x == 1 ? "old" : "this", med[x] * 1e9 / (S * passes),
+                bytes * passes / med[x] / 1e9);
   }
 #ifdef MHA_ROWS_OLD
   std::printf("  this / old speed %.2f  difference: scores %.1e, O %.1e", med[1] / med[0], ds, dout);

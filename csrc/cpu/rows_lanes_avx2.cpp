@@ -7,9 +7,11 @@
 // horizontal sums (score_block spends 22 instructions on each 8 sums), and
 // each key row is read once for the 16 rows, not once per 4. The sums are
 // turned into rows by a 4 x 8 transpose a block as they are stored. Against
-// score_block's passes of 4 rows (AMD EPYC of family 23, interleaved,
-// bench/decode_rows.cpp, 64 and 128 columns, every kind): the scores 1.13-1.53x
-// in the caches and 1.11-1.55x from memory, whole steps with P V 1.06-1.22x.
+// score_block's passes of 4 rows (AMD EPYC of family 23, interleaved): the
+// scores 1.21-1.47x in the caches and 1.14-1.46x from memory
+// (bench/decode_rows.cpp, 64 and 128 columns, every kind); whole decode steps
+// of the op 1.00-1.09x with 16 rows of 32 x 8 x 128 heads, 1.13-1.24x of
+// 16 x 4 x 64 (float32 and bfloat16, 2k-32k keys).
 // The AVX-512 twin is rows_lanes_cpu.cpp (16 rows a 512-bit vector).
 #include "rows_avx2.h"
 
@@ -76,12 +78,17 @@ MHA_AVX2_INLINE void widen_row(const uint16_t* row, int64_t E, bool bf16, float*
 
 // S (16 rows, lds) for the keys [0, kKeys) of rows kr[0..3]: qt holds the 16
 // query rows transposed (column e of the 16 at qt + 16 e); each lane sums
-// its row's products in column order.
-MHA_AVX2_INLINE void lane_block(const float* qt, int64_t E, const float* const* kr, float* s, int64_t lds) {
+// its row's products in column order. `lines` lines from `fetch` on are
+// fetched into L1 spread over the columns (fetch null: none).
+MHA_AVX2_INLINE void lane_block(const float* qt, int64_t E, const float* const* kr, float* s, int64_t lds,
+                                const char* fetch, int64_t lines) {
   __m256 lo[kKeys], hi[kKeys];  // key i: rows 0-7, rows 8-15
 #pragma GCC unroll 4
   for (int i = 0; i < kKeys; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  const int64_t every = fetch != nullptr ? std::max<int64_t>(1, E / std::max<int64_t>(lines, 1)) : E + 1;
+  int64_t line = 0, next = 0;  // (lines <= E / 4, so all are issued within the columns)
   for (int64_t e = 0; e < E; ++e) {
+    if (e == next && line < lines) _mm_prefetch(fetch + 64 * line++, _MM_HINT_T0), next += every;
     const __m256 q0 = _mm256_loadu_ps(qt + 16 * e), q1 = _mm256_loadu_ps(qt + 16 * e + 8);
 #pragma GCC unroll 4
     for (int i = 0; i < kKeys; ++i) {
@@ -115,11 +122,12 @@ MHA_AVX2 int64_t dot_rows_lanes(const float* q, int64_t R, int64_t E, const void
     float* sg = s + g * 16 * lds;
     // The first group reads the keys from memory (the others find them in
     // the caches): adjacent rows have each block's bytes a page on fetched
-    // into L1 at its start (and, with far_fetch, kFarAhead on into L2);
-    // strided rows (a (B, S, H, D) cache) the next 16 rows into L2 before
-    // each 16, and with far_fetch each row kFarRows keys on (PageFetch).
-    // (PageFetch's per-key forms cost 16 float32 rows of 128 columns 5-10%
-    // in the caches, where the fetch is never needed.)
+    // into L1 over its columns (lane_block; against all at the block's
+    // start, from memory: 16 float32 rows of 128 columns 1.09-1.10x, of 64
+    // 1.00x, bfloat16 0.99-1.03x; with the far fetch into L2 as well,
+    // bfloat16 0.98-1.00x: none); strided rows (a (B, S, H, D) cache) the
+    // next 16 rows into L2 before each 16, and with far_fetch each row
+    // kFarRows keys on (PageFetch).
     const bool fetch = g == 0;
     rows::PageFetch strided = rows::PageFetch::strided(fetch && far_fetch, ldk * elem, row_bytes);
     for (int64_t c0 = 0; c0 < n; c0 += 16) {
@@ -129,13 +137,8 @@ MHA_AVX2 int64_t dot_rows_lanes(const float* q, int64_t R, int64_t E, const void
         rows::fetch_rows_l2(kc + 16 * ldk * elem, ldk * elem, std::clamp<int64_t>(n - c0 - 16, 0, 16), row_bytes);
       for (int64_t k0 = 0; k0 < nc; k0 += kKeys) {
         const int64_t m = std::min<int64_t>(kKeys, nc - k0);
-        if (adjacent && fetch) {
-          const char* at = kc + k0 * row_bytes;
-          for (int64_t b = 0; b < m * row_bytes; b += 64) {
-            _mm_prefetch(at + rows::kFetchAhead + b, _MM_HINT_T0);
-            if (far_fetch) _mm_prefetch(at + rows::kFarAhead + b, _MM_HINT_T1);
-          }
-        }
+        const char* ahead = adjacent && fetch ? kc + k0 * row_bytes + rows::kFetchAhead : nullptr;
+        const int64_t ahead_lines = (m * row_bytes + 63) / 64;
         const float* kr[kKeys];  // keys past m repeat the last real one (read, never stored)
         for (int i = 0; i < kKeys; ++i) {
           const char* row = kc + std::min<int64_t>(k0 + i, nc - 1) * ldk * elem;
@@ -150,10 +153,10 @@ MHA_AVX2 int64_t dot_rows_lanes(const float* q, int64_t R, int64_t E, const void
         }
         float* out = sg + c0 + k0;
         if (m == kKeys) {
-          lane_block(qt.data(), E, kr, out, lds);
+          lane_block(qt.data(), E, kr, out, lds, ahead, ahead_lines);
         } else {
           alignas(16) float t[16 * kKeys];
-          lane_block(qt.data(), E, kr, t, kKeys);
+          lane_block(qt.data(), E, kr, t, kKeys, ahead, ahead_lines);
           for (int64_t r = 0; r < 16; ++r) std::copy(t + r * kKeys, t + r * kKeys + m, out + r * lds);
         }
       }
