@@ -419,7 +419,9 @@ MHA_AVX2 void dot_rows_t(const float* q, int64_t R, int64_t E, const Row<kKind>*
 // memory (AMD EPYC of family 23): bfloat16 P V of 4 query rows 1.31-1.40x
 // with the far fetch, bfloat16 and float16 1, 4 and 16 rows 0.92-1.14x
 // whole decode steps. Float32 rows ran this 0.84-0.93x (1 and 4 rows of 128
-// columns, but 16 rows 1.23-1.31x) and keep PageFetch and NextChunk.
+// columns, but 16 rows 1.23-1.31x) and keep PageFetch into L1; in more than
+// one pass a chunk they take the L2 part (l2: the next chunk), in one pass
+// NextChunk (acc_rows_t).
 struct StripFetch {
   int64_t l1 = 0, l2 = 0;
 };
@@ -430,10 +432,10 @@ struct StripFetch {
 // one (computed, never stored). bfloat16 blocks of 16 columns or more read
 // them as even and odd columns (load16_pairs), the sums put back in column
 // order at the end. Only a block with kFetch fetches at each key: float32
-// rows by PageFetch and RowFetch, whose bookkeeping in the loop (a few
-// branches and reloads a key) the blocks with nothing to fetch go without
-// (bfloat16 P V 1.19-1.23x in one thread when it still took that form),
-// 16-bit rows by StripFetch.
+// rows by PageFetch and RowFetch (or StripFetch's l2), whose bookkeeping in
+// the loop (a few branches and reloads a key) the blocks with nothing to
+// fetch go without (bfloat16 P V 1.19-1.23x in one thread when it still took
+// that form), 16-bit rows by StripFetch.
 template <int kKind, int RB, int NV, bool kFetch>
 MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, const Row<kKind>* v, int64_t ldv,
                           int64_t cols, float* o, int64_t ldo, const PageFetch& page_in,
@@ -453,7 +455,14 @@ MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, c
   for (int64_t j = 0; j < nj; ++j) {
     const Row<kKind>* vr = v + j * ldv;
     if constexpr (kFetch && kKind == 0) {
-      page(vr), next();
+      page(vr);
+      if (strip.l2 > 0) {
+        const char* at = reinterpret_cast<const char*>(vr) + strip.l2;
+#pragma GCC unroll 4
+        for (int x = 0; x < kLines; ++x) _mm_prefetch(at + 64 * x, _MM_HINT_T1);
+      } else {
+        next();
+      }
     } else if constexpr (kFetch) {
       const char* at = reinterpret_cast<const char*>(vr);
 #pragma GCC unroll 4
@@ -537,7 +546,9 @@ constexpr int64_t pass_blocks(int64_t rb, int64_t cols) {
 // columns, then single vectors, the last maybe partial (with NV = 1 only
 // that one). In the chunk's first pass (`page` given) the first block takes
 // `page` at each key, and the blocks with a share of the next chunk take it
-// spread over their keys; the other blocks fetch nothing in their loop.
+// spread over their keys (float32 in more than one pass: every block its
+// own columns' lines of the next chunk, `strip`.l2); the other blocks fetch
+// nothing in their loop.
 template <int kKind, int RB, int NV>
 MHA_AVX2 void value_pass(const float* p, int64_t ldp, int64_t rr, int64_t nj, const Row<kKind>* v, int64_t ldv,
                          int64_t cols, float* o, int64_t ldo, const PageFetch* page, NextChunk& next,
@@ -547,9 +558,9 @@ MHA_AVX2 void value_pass(const float* p, int64_t ldp, int64_t rr, int64_t nj, co
   for (; c0 + 8 * NV <= cols; c0 += 8 * NV) {
     if (kKind != 0 && page != nullptr) {  // (16-bit rows: every block of the first pass, StripFetch)
       value_block<kKind, RB, NV, true>(p, ldp, rr, nj, v + c0, ldv, 8 * NV, o + c0, ldo, none, {}, strip);
-    } else if (page != nullptr && (c0 == 0 || next.lines > 0)) {
+    } else if (page != nullptr && (c0 == 0 || next.lines > 0 || strip.l2 > 0)) {
       value_block<kKind, RB, NV, true>(p, ldp, rr, nj, v + c0, ldv, 8 * NV, o + c0, ldo, c0 == 0 ? *page : none,
-                                       next.share());
+                                       next.share(), strip);
     } else {
       next.fetch_all();
       value_block<kKind, RB, NV, false>(p, ldp, rr, nj, v + c0, ldv, 8 * NV, o + c0, ldo, none);
@@ -585,7 +596,15 @@ MHA_AVX2 void acc_rows_t(const float* p, int64_t R, int64_t n, int64_t ldp, cons
     const int64_t ahead = std::clamp<int64_t>(n - j0 - rows::kValueKeys, 0, rows::kValueKeys);
     if (ldv != Ev) rows::fetch_rows_l2(vc + rows::kValueKeys * ldv, ldv * elem, ahead, row_bytes);
     NextChunk next;
-    if (kKind == 0 && ldv == Ev) {
+    // float32 rows in more than one pass: the next chunk's lines by the
+    // first pass's blocks, each its own columns' at each key, in place of
+    // NextChunk (its share spread over the first pass, the rest at the start
+    // of each later pass): 8-16 rows 1.03-1.14x whole steps (interleaved,
+    // K/V from memory); in one pass NextChunk stays (0.87-1.02x for 1-4 rows)
+    StripFetch chunk_strip = strip;
+    const bool passes = pass_rows(R) < R;
+    if (kKind == 0 && ldv == Ev && passes) chunk_strip.l2 = ahead > 0 ? rows::kValueKeys * ldv * elem : 0;
+    if (kKind == 0 && ldv == Ev && !passes) {
       int64_t blocks = 0;
       for (int64_t r0 = 0; r0 < R; r0 += pass_rows(R - r0)) blocks += pass_blocks(pass_rows(R - r0), Ev);
       next.first = reinterpret_cast<const char*>(vc + rows::kValueKeys * ldv);
@@ -597,13 +616,13 @@ MHA_AVX2 void acc_rows_t(const float* p, int64_t R, int64_t n, int64_t ldp, cons
       float* orow = o + r0 * ldo;
       const PageFetch* pg = r0 == 0 ? &page : nullptr;
       if (rb == 6)
-        value_pass<kKind, 6, pass_vectors(6)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next, strip);
+        value_pass<kKind, 6, pass_vectors(6)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next, chunk_strip);
       else if (rb == 4)
-        value_pass<kKind, 4, pass_vectors(4)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next, strip);
+        value_pass<kKind, 4, pass_vectors(4)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next, chunk_strip);
       else if (rb == 2)
-        value_pass<kKind, 2, pass_vectors(2)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next, strip);
+        value_pass<kKind, 2, pass_vectors(2)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next, chunk_strip);
       else
-        value_pass<kKind, 1, pass_vectors(1)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next, strip);
+        value_pass<kKind, 1, pass_vectors(1)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next, chunk_strip);
       r0 += rb;
     }
   }
