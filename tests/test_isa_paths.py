@@ -27,12 +27,15 @@ for dtype, tol in ((torch.float32, 2e-4), (torch.bfloat16, 6e-2)):
         for a, b in zip(grads, ref_grads):
             torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
 # the decode path (few rows per key/value head, no dropout): dot_rows, acc_rows and the widening of
-# bfloat16 / float16 rows
+# bfloat16 / float16 rows; 8 and 16 rows a key/value head (16: one row a vector lane), 701 keys (a
+# last tile of 189: a partial block of keys)
 for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)):
     for E, Ev in ((40, 24), (13, 5)):  # (value columns in whole vectors, and a partial one)
-        q, k, v = torch.randn(2, 8, 2, E).to(dtype), torch.randn(2, 2, 700, E).to(dtype), torch.randn(2, 2, 700, Ev).to(dtype)
-        out = torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, True)[0]
-        torch.testing.assert_close(out.double(), R.attention(q, k, v, enable_gqa=True), rtol=tol, atol=tol)
+        for L in (2, 4):
+            q = torch.randn(2, 8, L, E).to(dtype)
+            k, v = torch.randn(2, 2, 701, E).to(dtype), torch.randn(2, 2, 701, Ev).to(dtype)
+            out = torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, True)[0]
+            torch.testing.assert_close(out.double(), R.attention(q, k, v, enable_gqa=True), rtol=tol, atol=tol)
 # bfloat16 decode with 8-16 rows a key/value head and head dims that are multiples of 32 (on AMX the
 # tile routines): ragged key counts, value dims below / above the key dim, K and V rows strided as in a
 # (B, S, H, D) cache, a boolean mask with a row that sees no key, causal rows

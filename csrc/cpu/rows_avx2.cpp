@@ -37,12 +37,13 @@ MHA_AVX2_INLINE float hsum(__m256 x) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 +
 // fixed tree ((0 + 4) + (1 + 5)) + ((2 + 6) + (3 + 7)), so that each sum is
 // the same wherever it sits: 128-bit halves added first (an extract and an
 // add a vector), then pairs and quads by 128-bit horizontal adds, and
-// score_block stores each row's sums from these registers. Against 256-bit
-// horizontal adds, two lane-crossing permutes and the sums copied out through
-// a buffer (AMD EPYC of family 23, interleaved, bench/decode_rows.cpp): the
-// scores of 1-16 query rows of 64 and 128 columns, every kind, 1.02-1.23x in
-// the caches (four float32 rows of 64 columns 1.17x); from memory mostly
-// 1.00-1.10x, with this VM's run-to-run spread of 0.85-1.48x.
+// score_block stores each row's sums from these registers. Measured against a
+// tree of 256-bit horizontal adds and two lane-crossing permutes with the sums
+// copied out through a buffer (AMD EPYC of family 23, interleaved,
+// bench/decode_rows.cpp): the scores of 1-16 query rows of 64 and 128
+// columns, every kind, 1.02-1.23x in the caches (four float32 rows of 64
+// columns 1.17x); from memory mostly 1.00-1.10x, with this VM's run-to-run
+// spread of 0.85-1.48x.
 MHA_AVX2_INLINE void sum8(const __m256* x, __m128& lo, __m128& hi) {
   __m128 y[8];
 #pragma GCC unroll 8
@@ -202,17 +203,16 @@ MHA_AVX2_INLINE void load16_pairs(const uint16_t* row, __m256& even, __m256& odd
   odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-// The next chunk's value rows, adjacent in memory, fetched into L2 over all
-// the blocks of the current one (each block a share of their lines), so
-// that the chunk's first pass reads them from L2: float32 rows, four query
-// rows of 32 x 8 x 128 heads 1.18-1.19x, of 12 x 12 x 64 1.10-1.11x, the
-// other cases 0.97-1.07x (AMD EPYC of family 23, interleaved, K/V from
-// memory). Blocks of the first pass take theirs a line or so at each key;
-// blocks of later passes all at their start, and run without fetches in
-// their loop: 16 rows 1.12-1.19x. (All at the start in the first pass too:
-// one and four rows of 128 columns 0.87-0.93x.) bfloat16 rows ran
-// 0.93-0.98x with the fetch and go without; the same fetch of the next
-// block of key rows ran 0.93-0.97x.
+// The next chunk's value rows, adjacent in memory, fetched into L2 over the
+// blocks of the current one when it takes one pass (each block a share of
+// their lines, a line or so at each key), so that the next chunk's first
+// pass reads them from L2: float32 rows, four query rows of 32 x 8 x 128
+// heads 1.18-1.19x, of 12 x 12 x 64 1.10-1.11x, the other cases 0.97-1.07x
+// (AMD EPYC of family 23, interleaved, K/V from memory; all at each block's
+// start: one and four rows of 128 columns 0.87-0.93x). Chunks of several
+// passes fetch the next one by StripFetch's l2 instead (acc_rows_t).
+// bfloat16 rows ran 0.93-0.98x with the fetch and go without; the same
+// fetch of the next block of key rows ran 0.93-0.97x.
 struct NextChunk {
   const char* first = nullptr;
   int64_t lines = 0, blocks = 1, keys = 1;
@@ -221,11 +221,6 @@ struct NextChunk {
     if (lines == 0 || at >= blocks) return {};
     const int64_t b = at++;
     return rows::RowFetch<_MM_HINT_T1>(first, 64, 64, lines * b / blocks, lines * (b + 1) / blocks, keys);
-  }
-  void fetch_all() {  // a share at once
-    rows::RowFetch<_MM_HINT_T1> f = share();
-    f.per = f.left;
-    f();
   }
 };
 
@@ -562,7 +557,6 @@ MHA_AVX2 void value_pass(const float* p, int64_t ldp, int64_t rr, int64_t nj, co
       value_block<kKind, RB, NV, true>(p, ldp, rr, nj, v + c0, ldv, 8 * NV, o + c0, ldo, c0 == 0 ? *page : none,
                                        next.share(), strip);
     } else {
-      next.fetch_all();
       value_block<kKind, RB, NV, false>(p, ldp, rr, nj, v + c0, ldv, 8 * NV, o + c0, ldo, none);
     }
   }
@@ -596,19 +590,19 @@ MHA_AVX2 void acc_rows_t(const float* p, int64_t R, int64_t n, int64_t ldp, cons
     const int64_t ahead = std::clamp<int64_t>(n - j0 - rows::kValueKeys, 0, rows::kValueKeys);
     if (ldv != Ev) rows::fetch_rows_l2(vc + rows::kValueKeys * ldv, ldv * elem, ahead, row_bytes);
     NextChunk next;
-    // float32 rows in more than one pass: the next chunk's lines by the
+    // float32 rows in more than one pass: a whole next chunk's lines by the
     // first pass's blocks, each its own columns' at each key, in place of
     // NextChunk (its share spread over the first pass, the rest at the start
-    // of each later pass): 8-16 rows 1.03-1.14x whole steps (interleaved,
-    // K/V from memory); in one pass NextChunk stays (0.87-1.02x for 1-4 rows)
+    // of each later pass): 8-16 rows 1.03-1.14x whole steps, 5 and 7 rows
+    // 0.98-1.13x, 3 rows 0.94-1.00x (interleaved, K/V from memory, run to
+    // run); in one pass (1, 2, 4, 6 rows) NextChunk stays (0.87-1.02x)
     StripFetch chunk_strip = strip;
     const bool passes = pass_rows(R) < R;
-    if (kKind == 0 && ldv == Ev && passes) chunk_strip.l2 = ahead > 0 ? rows::kValueKeys * ldv * elem : 0;
+    if (kKind == 0 && ldv == Ev && passes)
+      chunk_strip.l2 = ahead == rows::kValueKeys ? rows::kValueKeys * ldv * elem : 0;
     if (kKind == 0 && ldv == Ev && !passes) {
-      int64_t blocks = 0;
-      for (int64_t r0 = 0; r0 < R; r0 += pass_rows(R - r0)) blocks += pass_blocks(pass_rows(R - r0), Ev);
       next.first = reinterpret_cast<const char*>(vc + rows::kValueKeys * ldv);
-      next.lines = (ahead * row_bytes + 63) / 64, next.blocks = blocks, next.keys = nj;
+      next.lines = (ahead * row_bytes + 63) / 64, next.blocks = pass_blocks(R, Ev), next.keys = nj;
     }
     for (int64_t r0 = 0; r0 < R;) {
       const int64_t rr = R - r0, rb = pass_rows(rr);

@@ -86,9 +86,12 @@ MHA_AVX2_INLINE void lane_block(const float* qt, int64_t E, const float* const* 
 #pragma GCC unroll 4
   for (int i = 0; i < kKeys; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
   const int64_t every = fetch != nullptr ? std::max<int64_t>(1, E / std::max<int64_t>(lines, 1)) : E + 1;
-  int64_t line = 0, next = 0;  // (lines <= E / 4, so all are issued within the columns)
+  int64_t line = 0, next = 0;  // (lines <= ceil(E / 4) <= E: the last at column (lines - 1) every < E)
   for (int64_t e = 0; e < E; ++e) {
-    if (e == next && line < lines) _mm_prefetch(fetch + 64 * line++, _MM_HINT_T0), next += every;
+    if (e == next && line < lines) {
+      _mm_prefetch(fetch + 64 * line++, _MM_HINT_T0);
+      next += every;
+    }
     const __m256 q0 = _mm256_loadu_ps(qt + 16 * e), q1 = _mm256_loadu_ps(qt + 16 * e + 8);
 #pragma GCC unroll 4
     for (int i = 0; i < kKeys; ++i) {
