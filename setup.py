@@ -43,7 +43,9 @@ def _decide_cuda(cuda_sources):
     return True, f"nvcc at {CUDA_HOME}, torch CUDA {torch.version.cuda}"
 
 
-cpp_sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp")
+# csrc/python: the Python module of the library (mha_ext._C's fast calls);
+# CMakeLists.txt builds the rest for LibTorch, without Python.
+cpp_sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp") + _sources("csrc/python/*.cpp")
 cuda_sources = _sources("csrc/cuda/*.cpp") + _sources("csrc/cuda/*.cu")
 with_cuda, why = _decide_cuda(cuda_sources)
 print(f"mha_ext: building {'CPU + CUDA' if with_cuda else 'CPU only'} ({why})", flush=True)

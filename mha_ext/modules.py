@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .ops import attention_weights, new_rng_state, run_op
+from .ops import attention_weights, new_rng_state, run_attention, run_op
 
 __all__ = ["MultiheadAttention"]
 
@@ -147,8 +147,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if skip_padding:
             out, lse, rng_used = _attend_unpadded_keys(q, k, v, key_padding_mask, dropout_p, rng_state)
         else:
-            out, lse, rng_used = run_op(torch.ops.mha_ext.attention.default, q, k, v, mask, dropout_p, use_causal,
-                                        None, False, rng_state)
+            out, lse, rng_used = run_attention(q, k, v, mask, dropout_p, use_causal, None, False, rng_state)
         if all_dropped:
             out = out * 0.0
         out = self.out_proj(out.transpose(1, 2).reshape(N, L, E))

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ..ops import attention_weights, new_rng_state, run_op
+from ..ops import attention_weights, new_rng_state, run_attention
 
 NAME = "mha_ext"
 
@@ -60,8 +60,8 @@ def attention_forward(
         mask = mask.to(query.dtype)
     softcap = float(softcap) if softcap else 0.0
     rng_state = new_rng_state(query.device) if dropout > 0.0 else None
-    out, lse, rng_used = run_op(
-        torch.ops.mha_ext.attention.default, query, key, value, mask, float(dropout), is_causal, scaling, hq != hkv,
+    out, lse, rng_used = run_attention(
+        query, key, value, mask, float(dropout), is_causal, scaling, hq != hkv,
         rng_state, -1, -1, False, softcap, None,
     )
     weights = None
