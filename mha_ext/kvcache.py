@@ -1,12 +1,13 @@
 """The fake kernel and the functional API of the KV-cache op
 (mha_ext::kvcache_attention; mha_ext.ops registers the fake kernel, the
 module the library names). Its checks mirror check_kvcache_inputs
-(csrc/checks.cpp) as far as shapes go; the values of cache_seqlens are
+(csrc/checks.cpp) as far as shapes go; the values of cache_seqlens
 and of a block_table are checked by the kernels' host code, which reads them."""
 from typing import Optional
 
 import torch
 
+from . import _C
 from .ops import _acc_dtype, _check, _check_qkv_common, _fmt, _variant_args, check_variant
 
 __all__ = ["kvcache_attention"]
@@ -110,6 +111,9 @@ def kvcache_attention(
     key/value head) and the CUDA kernels read the blocks in place; longer
     query chunks on the CPU gather a batch's blocks first."""
     wl, wr, _, cap = _variant_args("bottom_right", window, softcap)
-    out, lse = torch.ops.mha_ext.kvcache_attention(query, k_cache, v_cache, cache_seqlens, k_new, v_new, scale,
-                                                   bool(causal), wl, wr, cap, alibi_slopes, block_table)
+    args = (query, k_cache, v_cache, cache_seqlens, k_new, v_new, scale, bool(causal), wl, wr, cap, alibi_slopes,
+            block_table)
+    # the plain call from C++ without torch.ops's boxing (None where it declines)
+    res = None if torch.compiler.is_compiling() else _C.kvcache_attention(*args)
+    out, lse = res if res is not None else torch.ops.mha_ext.kvcache_attention(*args)
     return (out, lse) if return_lse else out

@@ -194,3 +194,27 @@ def test_the_gil_is_released_during_the_op():
     assert out is not None
     assert took > 0.05, took
     assert during > rate * 0.025, (during, rate, took)
+
+
+def test_kvcache_fast_call_equals_torch_ops_and_writes_in_place():
+    B, S_max, hq, hkv, E = 2, 40, 4, 2, 16
+    q = torch.randn(B, 1, hq, E)
+    kc, vc = torch.randn(B, S_max, hkv, E), torch.randn(B, S_max, hkv, E)
+    sl = torch.tensor([5, 17], dtype=torch.int32)
+    kn, vn = torch.randn(B, 1, hkv, E), torch.randn(B, 1, hkv, E)
+    kc2, vc2 = kc.clone(), vc.clone()
+    v0 = kc._version
+    fast = _C.kvcache_attention(q, kc, vc, sl, kn, vn, None, True, -1, -1, 0.0, None, None)
+    assert isinstance(fast, tuple) and kc._version > v0  # the in-place write is seen by autograd's checks
+    slow = torch.ops.mha_ext.kvcache_attention.default(q, kc2, vc2, sl, kn, vn, None, True, -1, -1, 0.0, None, None)
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    for b in range(B):  # the new row written at cache_seqlens[b], attended with the cached ones
+        n = int(sl[b]) + 1
+        assert torch.equal(kc[b, n - 1], kn[b, 0]) and torch.equal(vc[b, n - 1], vn[b, 0])
+        ref = R.attention(q[b].transpose(0, 1), kc[b, :n].transpose(0, 1), vc[b, :n].transpose(0, 1), enable_gqa=True)
+        torch.testing.assert_close(fast[0][b].transpose(0, 1).double(), ref, rtol=1e-5, atol=1e-5)
+    assert _C.kvcache_attention(q.as_subclass(Tagged), kc, vc, sl, None, None, None, True, -1, -1, 0.0, None,
+                                None) is None
+    assert _C.kvcache_attention(q, kc, vc, sl, None, None, None, True, -1, -1, 0, None, None) is None  # int softcap

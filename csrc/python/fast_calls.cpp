@@ -1,5 +1,5 @@
-// The Python module mha_ext._C: calls of the attention op that skip
-// torch.ops's argument boxing when autograd has nothing to record.
+// The Python module mha_ext._C: calls of the attention and KV-cache ops that
+// skip torch.ops's argument boxing.
 //
 // From Python, torch.ops.mha_ext.attention converts its 14 arguments to
 // IValues by the schema, looks for __torch_function__ on each, and wraps the
@@ -9,7 +9,8 @@
 // input requiring grad) and make the same dispatcher call from C++ below the
 // autograd key, the choice torch's autograd kernel of a custom op makes in
 // that case. Anything else returns None and the caller goes through torch.ops
-// as before. Built by setup.py only: the LibTorch library (CMakeLists.txt)
+// as before. The KV-cache op (forward only) is called through the same
+// dispatch keys as from torch.ops. Built by setup.py only: the LibTorch library (CMakeLists.txt)
 // has no Python in it.
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -173,11 +174,63 @@ PyObject* sdpa(PyObject*, PyObject* const* args, Py_ssize_t n) {
   END_HANDLE_TH_ERRORS
 }
 
+using KVCacheFn = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, std::optional<double>, bool, int64_t, int64_t, double,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+
+// kvcache_attention(query, k_cache, v_cache, cache_seqlens, k_new, v_new,
+// scale, is_causal, window_left, window_right, softcap, alibi_slopes,
+// block_table), all 13 positional: (out, logsumexp), or None where the call
+// must go through torch.ops (another argument type, a tensor subclass, a
+// torch function mode). The op has no autograd formula, so the call goes
+// through every dispatch key torch.ops's does (autograd's fallback for such
+// ops, the in-place bookkeeping of the caches), only without the boxing.
+PyObject* kvcache_attention(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  at::Tensor query, k_cache, v_cache, cache_seqlens;
+  std::optional<at::Tensor> k_new, v_new, alibi_slopes, block_table;
+  std::optional<double> scale;
+  bool is_causal = false;
+  int64_t window_left = -1, window_right = -1;
+  double softcap = 0.0;
+  bool ok = n == 13 && plain_tensor(args[0], query) && plain_tensor(args[1], k_cache) &&
+            plain_tensor(args[2], v_cache) && plain_tensor(args[3], cache_seqlens) &&
+            optional_tensor(args[4], k_new) && optional_tensor(args[5], v_new) && exact_bool(args[7], is_causal) &&
+            exact_int(args[8], window_left) && exact_int(args[9], window_right) && exact_float(args[10], softcap) &&
+            optional_tensor(args[11], alibi_slopes) && optional_tensor(args[12], block_table);
+  if (ok && args[6] != Py_None) {
+    double s = 0.0;
+    ok = exact_float(args[6], s);
+    scale = s;
+  }
+  if (!ok || at::impl::torch_function_mode_enabled()) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mha_ext::kvcache_attention", "").typed<KVCacheFn>();
+  std::tuple<at::Tensor, at::Tensor> res;
+  {
+    NoGil no_gil;
+    res = op.call(query, k_cache, v_cache, cache_seqlens, k_new, v_new, scale, is_causal, window_left, window_right,
+                  softcap, alibi_slopes, block_table);
+  }
+  PyObject* r = PyTuple_New(2);
+  if (r == nullptr) return nullptr;
+  PyTuple_SET_ITEM(r, 0, THPVariable_Wrap(std::move(std::get<0>(res))));
+  PyTuple_SET_ITEM(r, 1, THPVariable_Wrap(std::move(std::get<1>(res))));
+  return r;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
     {"attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(attention)), METH_FASTCALL,
      "The attention op below autograd, or None where torch.ops must take the call."},
     {"sdpa", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(sdpa)), METH_FASTCALL,
      "scaled_dot_product_attention's common call, or None."},
+    {"kvcache_attention", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(kvcache_attention)),
+     METH_FASTCALL, "The kvcache_attention op, or None where torch.ops must take the call."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "Fast calls of the mha_ext ops.", -1, methods};
