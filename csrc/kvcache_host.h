@@ -24,6 +24,7 @@
 #include <ATen/ops/gather.h>
 #include <ATen/ops/index_put.h>
 #include <ATen/ops/remainder.h>
+#include <c10/core/GradMode.h>
 
 #include <cstring>
 #include <utility>
@@ -77,6 +78,19 @@ inline KVCacheCall prepare_kvcache(const at::Tensor& query, at::Tensor& k_cache,
                                    const std::optional<at::Tensor>& v_new, std::optional<double> scale,
                                    const VariantArgs& va, const std::optional<at::Tensor>& block_table,
                                    bool copy_rows_on_host) {
+  // Forward only: autograd would record nothing for this op (its fallback
+  // gives the inputs no gradient), so a call that asks for gradients is
+  // refused here rather than answered with none.
+  if (c10::GradMode::is_enabled()) {
+    const std::pair<const char*, const at::Tensor*> inputs[] = {
+        {"query", &query}, {"k_cache", &k_cache}, {"v_cache", &v_cache},
+        {"k_new", k_new ? &*k_new : nullptr}, {"v_new", v_new ? &*v_new : nullptr},
+        {"alibi_slopes", va.alibi_slopes ? &*va.alibi_slopes : nullptr}};
+    for (const auto& [name, t] : inputs)
+      TORCH_CHECK(t == nullptr || !t->requires_grad(), "kvcache_attention is forward only (no backward): ", name,
+                  " requires grad while grad mode is on; call it under torch.no_grad() or torch.inference_mode(), "
+                  "or pass tensors that do not require grad");
+  }
   KVCacheCall c;
   c.s = check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table);
   check_variant(c.s, query, va.window_left, va.window_right, va.softcap, va.alibi_slopes);

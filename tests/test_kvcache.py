@@ -363,3 +363,22 @@ def test_kvcache_writes_bump_versions_and_refuse_overlap():
         _run(q, kc, vc, sl + 1, kc[:, 5:6], vn)
     assert str(ours.value) == str(theirs.value)
     assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+
+
+def test_kvcache_is_forward_only():
+    # the op has no backward: a call that asks for gradients is refused by name
+    # (autograd's fallback would give the inputs none), on either call path
+    q, kc, vc, sl, kn, vn = _make(L=2)
+    for name in ("q", "kn", "vn"):
+        a = dict(q=q, kn=kn, vn=vn)
+        a[name] = a[name].clone().requires_grad_()
+        arg = {"q": "query", "kn": "k_new", "vn": "v_new"}[name]
+        with pytest.raises(RuntimeError, match=f"kvcache_attention is forward only \\(no backward\\): {arg} requires "
+                                               "grad while grad mode is on"):
+            mha_ext.kvcache_attention(a["q"], kc.clone(), vc.clone(), sl, a["kn"], a["vn"], causal=True)
+        with pytest.raises(RuntimeError, match=f"{arg} requires grad"):
+            op.kvcache_attention(a["q"], kc.clone(), vc.clone(), sl, a["kn"], a["vn"], None, True)
+        with torch.no_grad():
+            out = mha_ext.kvcache_attention(a["q"], kc.clone(), vc.clone(), sl, a["kn"], a["vn"], causal=True)
+        ref, _ = _reference(q, kc, vc, sl, kn, vn, is_causal=True)
+        torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
