@@ -218,3 +218,34 @@ def test_kvcache_fast_call_equals_torch_ops_and_writes_in_place():
     assert _C.kvcache_attention(q.as_subclass(Tagged), kc, vc, sl, None, None, None, True, -1, -1, 0.0, None,
                                 None) is None
     assert _C.kvcache_attention(q, kc, vc, sl, None, None, None, True, -1, -1, 0, None, None) is None  # int softcap
+
+
+class Counting:
+    """Stands in for mha_ext._C in a module's globals: counts the fast calls
+    made, and makes them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*args):
+            res = getattr(_C, name)(*args)
+            self.calls.append((name, res is not None))
+            return res
+        return call
+
+
+def test_public_functions_take_the_fast_calls(monkeypatch):
+    counting = Counting()
+    monkeypatch.setattr(mha_ext.ops, "_C", counting)
+    monkeypatch.setattr(mha_ext.kvcache, "_C", counting)
+    q, k, v = qkv()
+    mha_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    mha_ext.attention(q, k, v, enable_gqa=True, window=(4, 0))
+    mha = mha_ext.MultiheadAttention(32, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        mha(x, x, x, need_weights=False)
+    kc, vc = torch.randn(2, 40, 2, 16), torch.randn(2, 40, 2, 16)
+    mha_ext.kvcache_attention(q.transpose(1, 2), kc, vc, torch.tensor([3, 9], dtype=torch.int32), causal=True)
+    assert counting.calls == [("sdpa", True), ("attention", True), ("attention", True), ("kvcache_attention", True)]
