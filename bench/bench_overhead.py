@@ -6,10 +6,11 @@ generate() runs, in one process, interleaved, medians of loops of calls.
     python bench/bench_overhead.py
     python bench/bench_overhead.py --quick
 
-Rows: torch's SDPA; mha_ext.scaled_dot_product_attention (the drop-in, which
-calls the kernel below autograd when autograd has nothing to record); the op
-itself, torch.ops.mha_ext.attention, which goes through the dispatcher's
-autograd kernel (a Python one) and back. Writes bench/out/overhead.md.
+Rows: torch's SDPA; mha_ext.scaled_dot_product_attention (the drop-in, whose
+plain call goes from mha_ext._C in C++ through the dispatcher below autograd
+when autograd has nothing to record); the op itself,
+torch.ops.mha_ext.attention, which boxes its arguments and goes through the
+dispatcher's autograd kernel (a Python one) and back. Writes bench/out/overhead.md.
 """
 import argparse
 import datetime
