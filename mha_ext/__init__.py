@@ -17,15 +17,17 @@ import torch
 
 
 def _load_library():
+    # the library is also the Python module mha_ext._C (its fast calls):
+    # imported first, so that torch.ops loads the very file Python chose
     here = os.path.dirname(os.path.abspath(__file__))
-    found = sorted(glob.glob(os.path.join(here, "_C*.so")))
-    if not found:
+    if not glob.glob(os.path.join(here, "_C*.so")):
         raise ImportError(
             f"mha_ext: the compiled library _C*.so is missing from {here}; "
             "build it with `pip install --no-build-isolation -e .`"
         )
-    torch.ops.load_library(found[0])
-    return found[0]
+    from . import _C
+    torch.ops.load_library(_C.__file__)
+    return _C.__file__
 
 
 library_path = _load_library()

@@ -67,8 +67,23 @@ def check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new, b
     return B, L, hq, hkv, ev
 
 
+def check_forward_only(query, k_cache, v_cache, k_new, v_new, alibi_slopes):
+    """prepare_kvcache's (csrc/kvcache_host.h) refusal of a call that asks
+    for gradients, in the same words (under torch.compile the fake kernel
+    is what sees the call in grad mode)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
+                    ("v_new", v_new), ("alibi_slopes", alibi_slopes)):
+        _check(t is None or not t.requires_grad,
+               lambda: f"kvcache_attention is forward only (no backward): {name} requires grad while grad mode is on; "
+                       "call it under torch.no_grad() or torch.inference_mode(), or pass tensors that do not "
+                       "require grad")
+
+
 def _kvcache_fake(query, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, scale=None, is_causal=False,
                   window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, block_table=None):
+    check_forward_only(query, k_cache, v_cache, k_new, v_new, alibi_slopes)
     B, L, hq, _, ev = check_kvcache_inputs(query, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     check_variant(query, (B,), hq, window_left, window_right, softcap, alibi_slopes)
     return query.new_empty((B, L, hq, ev)), query.new_empty((B, hq, L), dtype=_acc_dtype(query.dtype))

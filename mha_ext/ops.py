@@ -47,13 +47,13 @@ def run_attention(*args):
     from C++ below autograd when autograd has nothing to record and no torch
     function applies, without torch.ops's boxing of the arguments and
     wrapping of the results (a tiny call: 29 us through torch.ops below
-    autograd, 11 us so, on an AMD EPYC of family 23); else (None) through
-    torch.ops. Under torch.compile / export the op is called as it is."""
+    autograd, 11 us so, on an AMD EPYC of family 23); else (None) by
+    run_op. Under torch.compile / export the op is called as it is."""
     if not torch.compiler.is_compiling():
         res = _C.attention(*args)
         if res is not None:
             return res
-    return torch.ops.mha_ext.attention.default(*args)
+    return run_op(torch.ops.mha_ext.attention.default, *args)
 
 
 def _check(cond, msg_fn):

@@ -67,6 +67,18 @@ def test_grad_mode_decides():
         torch.testing.assert_close(fast, out.detach(), rtol=0, atol=0)
 
 
+def test_slopes_that_require_grad_go_through_autograd():
+    # slopes alone requiring grad: autograd's kernel refuses them (they are constants)
+    q, k, v = qkv(hq=2, hkv=2)
+    slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+    assert _C.attention(q, k, v, None, 0.0, False, None, False, None, -1, -1, False, 0.0, slopes) is None
+    with pytest.raises(RuntimeError, match="alibi_slopes must not require grad"):
+        mha_ext.attention(q, k, v, alibi_slopes=slopes)
+    with torch.no_grad():
+        out = mha_ext.attention(q, k, v, alibi_slopes=slopes)
+    torch.testing.assert_close(out.double(), R.attention(q, k, v, alibi_slopes=slopes.detach()), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", ["int dropout_p", "int scale", "dropout", "broadcast batch", "3-D key", "GQA off"])
 def test_declined_calls_still_right(case):
     q, k, v = qkv()

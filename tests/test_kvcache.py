@@ -382,3 +382,8 @@ def test_kvcache_is_forward_only():
             out = mha_ext.kvcache_attention(a["q"], kc.clone(), vc.clone(), sl, a["kn"], a["vn"], causal=True)
         ref, _ = _reference(q, kc, vc, sl, kn, vn, is_causal=True)
         torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    # compiled, the fake kernel sees the call in grad mode and says the same
+    step = torch.compile(lambda q, kc, vc: mha_ext.kvcache_attention(q, kc, vc, sl, kn, vn, causal=True),
+                         fullgraph=True)
+    with pytest.raises(Exception, match=r"kvcache_attention is forward only \(no backward\): query requires grad"):
+        step(q.clone().requires_grad_(), kc.clone(), vc.clone())

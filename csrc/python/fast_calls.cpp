@@ -18,6 +18,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/utils/wrap_outputs.h>
 
 #include <Python.h>
 
@@ -129,13 +130,7 @@ PyObject* attention(PyObject*, PyObject* const* args, Py_ssize_t n) {
     PyErr_Clear();
     Py_RETURN_NONE;
   }
-  auto [out, lse, rng] = call_below_autograd(a);
-  PyObject* r = PyTuple_New(3);
-  if (r == nullptr) return nullptr;
-  PyTuple_SET_ITEM(r, 0, THPVariable_Wrap(std::move(out)));
-  PyTuple_SET_ITEM(r, 1, THPVariable_Wrap(std::move(lse)));
-  PyTuple_SET_ITEM(r, 2, THPVariable_Wrap(std::move(rng)));
-  return r;
+  return torch::autograd::utils::wrap(call_below_autograd(a));
   END_HANDLE_TH_ERRORS
 }
 
@@ -216,11 +211,7 @@ PyObject* kvcache_attention(PyObject*, PyObject* const* args, Py_ssize_t n) {
     res = op.call(query, k_cache, v_cache, cache_seqlens, k_new, v_new, scale, is_causal, window_left, window_right,
                   softcap, alibi_slopes, block_table);
   }
-  PyObject* r = PyTuple_New(2);
-  if (r == nullptr) return nullptr;
-  PyTuple_SET_ITEM(r, 0, THPVariable_Wrap(std::move(std::get<0>(res))));
-  PyTuple_SET_ITEM(r, 1, THPVariable_Wrap(std::move(std::get<1>(res))));
-  return r;
+  return torch::autograd::utils::wrap(std::move(res));
   END_HANDLE_TH_ERRORS
 }
 
