@@ -70,6 +70,14 @@ bool exact_float(PyObject* o, double& x) {
   return true;
 }
 
+bool optional_float(PyObject* o, std::optional<double>& x) {
+  if (o == Py_None) return true;
+  double v = 0.0;
+  if (!exact_float(o, v)) return false;
+  x = v;
+  return true;
+}
+
 bool exact_bool(PyObject* o, bool& x) {
   if (!PyBool_Check(o)) return false;
   x = o == Py_True;
@@ -105,6 +113,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_below_autograd(const Attenti
                  a.rng_state, a.window_left, a.window_right, a.bottom_right, a.softcap, a.alibi_slopes);
 }
 
+// The first n of the schema's arguments into `a` (the rest keep the
+// schema's defaults): false where one is of another type than the schema's.
+bool parse_attention(PyObject* const* args, Py_ssize_t n, AttentionArgs& a) {
+  return n >= 3 && n <= 14 && plain_tensor(args[0], a.query) && plain_tensor(args[1], a.key) &&
+         plain_tensor(args[2], a.value) && (n <= 3 || optional_tensor(args[3], a.attn_mask)) &&
+         (n <= 4 || exact_float(args[4], a.dropout_p)) && (n <= 5 || exact_bool(args[5], a.is_causal)) &&
+         (n <= 6 || optional_float(args[6], a.scale)) && (n <= 7 || exact_bool(args[7], a.enable_gqa)) &&
+         (n <= 8 || optional_tensor(args[8], a.rng_state)) && (n <= 9 || exact_int(args[9], a.window_left)) &&
+         (n <= 10 || exact_int(args[10], a.window_right)) && (n <= 11 || exact_bool(args[11], a.bottom_right)) &&
+         (n <= 12 || exact_float(args[12], a.softcap)) && (n <= 13 || optional_tensor(args[13], a.alibi_slopes));
+}
+
 // attention(query, key, value[, attn_mask, dropout_p, is_causal, scale,
 // enable_gqa, rng_state, window_left, window_right, bottom_right, softcap,
 // alibi_slopes]), positional, the schema's defaults for those left out:
@@ -114,18 +134,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_below_autograd(const Attenti
 PyObject* attention(PyObject*, PyObject* const* args, Py_ssize_t n) {
   HANDLE_TH_ERRORS
   AttentionArgs a;
-  bool ok = n >= 3 && n <= 14 && plain_tensor(args[0], a.query) && plain_tensor(args[1], a.key) &&
-            plain_tensor(args[2], a.value) && (n <= 3 || optional_tensor(args[3], a.attn_mask)) &&
-            (n <= 4 || exact_float(args[4], a.dropout_p)) && (n <= 5 || exact_bool(args[5], a.is_causal));
-  if (ok && n > 6 && args[6] != Py_None) {
-    double s = 0.0;
-    ok = exact_float(args[6], s);
-    a.scale = s;
-  }
-  ok = ok && (n <= 7 || exact_bool(args[7], a.enable_gqa)) && (n <= 8 || optional_tensor(args[8], a.rng_state)) &&
-       (n <= 9 || exact_int(args[9], a.window_left)) && (n <= 10 || exact_int(args[10], a.window_right)) &&
-       (n <= 11 || exact_bool(args[11], a.bottom_right)) && (n <= 12 || exact_float(args[12], a.softcap)) &&
-       (n <= 13 || optional_tensor(args[13], a.alibi_slopes));
+  const bool ok = parse_attention(args, n, a);
   if (!ok || at::impl::torch_function_mode_enabled() || needs_autograd(a)) {
     PyErr_Clear();
     Py_RETURN_NONE;
@@ -142,15 +151,7 @@ PyObject* attention(PyObject*, PyObject* const* args, Py_ssize_t n) {
 PyObject* sdpa(PyObject*, PyObject* const* args, Py_ssize_t n) {
   HANDLE_TH_ERRORS
   AttentionArgs a;
-  bool ok = n == 8 && plain_tensor(args[0], a.query) && plain_tensor(args[1], a.key) &&
-            plain_tensor(args[2], a.value) && optional_tensor(args[3], a.attn_mask) &&
-            exact_float(args[4], a.dropout_p) && a.dropout_p == 0.0 && exact_bool(args[5], a.is_causal) &&
-            exact_bool(args[7], a.enable_gqa);
-  if (ok && args[6] != Py_None) {
-    double s = 0.0;
-    ok = exact_float(args[6], s);
-    a.scale = s;
-  }
+  bool ok = n == 8 && parse_attention(args, n, a) && a.dropout_p == 0.0;
   if (ok) {
     const int64_t d = a.query.dim();
     ok = d >= 3 && a.key.dim() == d && a.value.dim() == d;
@@ -189,16 +190,13 @@ PyObject* kvcache_attention(PyObject*, PyObject* const* args, Py_ssize_t n) {
   bool is_causal = false;
   int64_t window_left = -1, window_right = -1;
   double softcap = 0.0;
-  bool ok = n == 13 && plain_tensor(args[0], query) && plain_tensor(args[1], k_cache) &&
-            plain_tensor(args[2], v_cache) && plain_tensor(args[3], cache_seqlens) &&
-            optional_tensor(args[4], k_new) && optional_tensor(args[5], v_new) && exact_bool(args[7], is_causal) &&
-            exact_int(args[8], window_left) && exact_int(args[9], window_right) && exact_float(args[10], softcap) &&
-            optional_tensor(args[11], alibi_slopes) && optional_tensor(args[12], block_table);
-  if (ok && args[6] != Py_None) {
-    double s = 0.0;
-    ok = exact_float(args[6], s);
-    scale = s;
-  }
+  const bool ok = n == 13 && plain_tensor(args[0], query) && plain_tensor(args[1], k_cache) &&
+                  plain_tensor(args[2], v_cache) && plain_tensor(args[3], cache_seqlens) &&
+                  optional_tensor(args[4], k_new) && optional_tensor(args[5], v_new) &&
+                  optional_float(args[6], scale) && exact_bool(args[7], is_causal) &&
+                  exact_int(args[8], window_left) && exact_int(args[9], window_right) &&
+                  exact_float(args[10], softcap) && optional_tensor(args[11], alibi_slopes) &&
+                  optional_tensor(args[12], block_table);
   if (!ok || at::impl::torch_function_mode_enabled()) {
     PyErr_Clear();
     Py_RETURN_NONE;
