@@ -138,24 +138,36 @@ inline float half_bits_to_float(uint16_t bits, bf16*) {
 }
 
 // d += A (16 x K) B (K x 8) for the warp: every lane publishes its A and B
-// registers (a, then b), and each lane computes its four D elements from
-// a_at(word_of, row, k) and b_at(word_of, k, col), which read an element
-// from the lane and register its instruction's layout says holds it; the
-// products are summed over k in order, in float32 as the hardware accumulates.
+// registers (a, then b); once for the warp, A and B are read element by
+// element as floats, a_at(word_of, row, k) and b_at(word_of, k, col) taking
+// each from the lane and register its instruction's layout says holds it;
+// then each lane computes its four D elements from them, the products
+// summed over k in order, in float32 as the hardware accumulates. (Each lane
+// reading its own operands by the layout did the same sums 32 times over the
+// decoding: 2 x 16 x 4 reads a lane where the warp now makes 16 x K + K x 8.)
 template <int K, typename AAt, typename BAt>
 inline void warp_mma_by_layout(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], AAt&& a_at,
                                BAt&& b_at) {
+  static_assert(16 * K + K * 8 <= kWarpScratch);
   const int lane = linear_tid() % kWarpSize;
   const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
   float result[4];
-  warp_exchange_words(mine, 6, [&](auto&& word_of) {
-    for (int e = 0; e < 4; ++e) {
-      const int row = MmaLayout::c_row(lane, e), col = MmaLayout::c_col(lane, e);
-      float acc = d[e];
-      for (int k = 0; k < K; ++k) acc += a_at(word_of, row, k) * b_at(word_of, k, col);
-      result[e] = acc;
-    }
-  });
+  warp_exchange_words_once(
+      mine, 6,
+      [&](auto&& word_of, float* s) {  // s: A (16 x K), then B (K x 8), row-major
+        for (int row = 0; row < 16; ++row)
+          for (int k = 0; k < K; ++k) s[row * K + k] = a_at(word_of, row, k);
+        for (int k = 0; k < K; ++k)
+          for (int col = 0; col < 8; ++col) s[16 * K + k * 8 + col] = b_at(word_of, k, col);
+      },
+      [&](auto&&, const float* s) {
+        for (int e = 0; e < 4; ++e) {
+          const int row = MmaLayout::c_row(lane, e), col = MmaLayout::c_col(lane, e);
+          float acc = d[e];
+          for (int k = 0; k < K; ++k) acc += s[row * K + k] * s[16 * K + k * 8 + col];
+          result[e] = acc;
+        }
+      });
   for (int e = 0; e < 4; ++e) d[e] = result[e];
 }
 

@@ -60,6 +60,9 @@ enum class Wait { kNone, kBlock, kWarp };
 // Words a lane can publish at once in a warp-wide exchange (mma.h's emulated
 // tensor-core operations publish their fragment registers this way).
 constexpr int kWideWords = 16;
+// Floats of a warp's scratch for work its lanes share in an exchange
+// (warp_exchange_words_once): an m16n8k16 product's A and B, 16 x 16 + 16 x 8.
+constexpr int kWarpScratch = 384;
 
 // A cp.async in flight: 16 bytes read at issue, for `dst` in shared memory.
 struct PendingCopy {
@@ -151,6 +154,8 @@ struct Block {
   std::vector<Fiber> fibers;
   std::vector<uint64_t> slots;  // one exchange slot per thread
   std::vector<uint32_t> wide;   // kWideWords per thread, for warp-wide fragment exchanges
+  std::vector<float> warp_scratch;  // kWarpScratch per warp (warp_exchange_words_once)
+  std::vector<unsigned char> warp_once;  // per warp: its shared work of the open exchange still to do
   std::vector<unsigned char> shared;
   Context scheduler{};
   int current = -1;
@@ -279,6 +284,8 @@ inline void launch(dim3 grid, dim3 block, size_t shared_bytes, const std::functi
         b.fibers.resize(n);
         b.slots.assign(n, 0);
         b.wide.assign(static_cast<size_t>(n) * kWideWords, 0);
+        b.warp_scratch.assign(static_cast<size_t>((n + kWarpSize - 1) / kWarpSize) * kWarpScratch, 0.0f);
+        b.warp_once.assign((n + kWarpSize - 1) / kWarpSize, 0);
         b.shared.assign(shared_bytes, 0xff);  // NaN in every float type: reads before writes show
         b.body = &body;
         b.runnable.assign((n + 63) / 64, 0);
@@ -351,19 +358,39 @@ T exchange(T v, int src_lane) {
 }
 
 // Every lane of the calling warp publishes `n` words; after a warp barrier
-// `read(lane, word)` sees any lane's words; a second barrier ends the exchange.
-template <typename Read>
-void warp_exchange_words(const uint32_t* words, int n, Read&& read) {
+// `read(word_of, scratch)` sees any lane's words, word_of(lane, word); a
+// second barrier ends the exchange. Work the lanes share goes in
+// `once(word_of, scratch)`, run a single time for the warp (by the first of
+// its lanes to resume) before any lane's `read`: it fills the warp's
+// kWarpScratch floats, which `read` sees. Every lane marks the work due as
+// it publishes; the second barrier keeps the next exchange from marking it
+// again before the last lane has read.
+template <typename Once, typename Read>
+void warp_exchange_words_once(const uint32_t* words, int n, Once&& once, Read&& read) {
   Block& b = self();
-  const int tid = b.current, warp0 = tid - tid % kWarpSize;
+  const int tid = b.current, warp0 = tid - tid % kWarpSize, warp = tid / kWarpSize;
   if (n > kWideWords) throw std::logic_error("warp_exchange_words: too many words");
   std::memcpy(&b.wide[static_cast<size_t>(tid) * kWideWords], words, n * sizeof(uint32_t));
+  b.warp_once[warp] = 1;
   wait_at(Wait::kWarp);
-  read([&b, warp0](int lane, int word) {
+  auto word_of = [&b, warp0](int lane, int word) {
     if (warp0 + lane >= b.n) throw std::logic_error("warp_exchange_words: partial warp");
     return b.wide[static_cast<size_t>(warp0 + lane) * kWideWords + word];
-  });
+  };
+  float* scratch = &b.warp_scratch[static_cast<size_t>(warp) * kWarpScratch];
+  if (b.warp_once[warp]) {
+    b.warp_once[warp] = 0;
+    once(word_of, scratch);
+  }
+  read(word_of, static_cast<const float*>(scratch));
   wait_at(Wait::kWarp);
+}
+
+// The same without shared work: `read(word_of)`.
+template <typename Read>
+void warp_exchange_words(const uint32_t* words, int n, Read&& read) {
+  warp_exchange_words_once(
+      words, n, [](auto&&, float*) {}, [&](auto&& word_of, const float*) { read(word_of); });
 }
 
 }  // namespace emul
