@@ -3,27 +3,20 @@
 # emulation tests) built with AddressSanitizer and UndefinedBehaviorSanitizer
 # into build/sanitize, then ctest. Any report fails the run (halt_on_error).
 # Needs what scripts/test.sh sets up (.venv with torch, GoogleTest, cmake).
-# `--build` only configures and builds, `--test` only runs ctest (scripts/test.sh
-# builds while pytest runs, then tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:-all}
-case "$stage" in all | --build | --test) ;; *) echo "usage: $0 [--build | --test]" >&2; exit 2 ;; esac
 # minutes since this script began, on the stage lines
 at() { printf '(at %d:%02d)' $((SECONDS / 60)) $((SECONDS % 60)); }
-if [ "$stage" != --test ]; then
-  prefix=$(.venv/bin/python -c 'import torch; print(torch.utils.cmake_prefix_path)')
-  echo "==> configuring build/sanitize (-fsanitize=address,undefined)"
-  cuda_root=${CUDA_HOME:-/usr/local/cuda}
-  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0} cmake -S . -B build/sanitize -DCMAKE_PREFIX_PATH="$prefix" \
-    -DCUDA_TOOLKIT_ROOT_DIR="$cuda_root" -DCUDAToolkit_ROOT="$cuda_root" -DMHA_EXT_SANITIZE=ON \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo >build/sanitize-configure.log 2>&1 || {
-    cat build/sanitize-configure.log >&2; exit 1; }
-  echo "==> building $(at)"
-  cmake --build build/sanitize -j "${MAX_JOBS:-2}" >build/sanitize-build.log 2>&1 || {
-    tail -50 build/sanitize-build.log >&2; exit 1; }
-fi
-[ "$stage" = --build ] && exit 0
+prefix=$(.venv/bin/python -c 'import torch; print(torch.utils.cmake_prefix_path)')
+echo "==> configuring build/sanitize (-fsanitize=address,undefined)"
+cuda_root=${CUDA_HOME:-/usr/local/cuda}
+TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0} cmake -S . -B build/sanitize -DCMAKE_PREFIX_PATH="$prefix" \
+  -DCUDA_TOOLKIT_ROOT_DIR="$cuda_root" -DCUDAToolkit_ROOT="$cuda_root" -DMHA_EXT_SANITIZE=ON \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo >build/sanitize-configure.log 2>&1 || {
+  cat build/sanitize-configure.log >&2; exit 1; }
+echo "==> building $(at)"
+cmake --build build/sanitize -j "${MAX_JOBS:-2}" >build/sanitize-build.log 2>&1 || {
+  tail -50 build/sanitize-build.log >&2; exit 1; }
 echo "==> ctest under ASan + UBSan $(at)"
 # Leak checking covers our code; torch's own one-time allocations at exit are
 # suppressed by library name (tests/sanitize/lsan.supp).
