@@ -203,27 +203,6 @@ MHA_AVX2_INLINE void load16_pairs(const uint16_t* row, __m256& even, __m256& odd
   odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-// The next chunk's value rows, adjacent in memory, fetched into L2 over the
-// blocks of the current one when it takes one pass (each block a share of
-// their lines, a line or so at each key), so that the next chunk's first
-// pass reads them from L2: float32 rows, four query rows of 32 x 8 x 128
-// heads 1.18-1.19x, of 12 x 12 x 64 1.10-1.11x, the other cases 0.97-1.07x
-// (AMD EPYC of family 23, interleaved, K/V from memory; all at each block's
-// start: one and four rows of 128 columns 0.87-0.93x). Chunks of several
-// passes fetch the next one by StripFetch's l2 instead (acc_rows_t).
-// bfloat16 rows ran 0.93-0.98x with the fetch and go without; the same
-// fetch of the next block of key rows ran 0.93-0.97x.
-struct NextChunk {
-  const char* first = nullptr;
-  int64_t lines = 0, blocks = 1, keys = 1;
-  int64_t at = 0;  // the blocks given their share so far
-  rows::RowFetch<_MM_HINT_T1> share() {
-    if (lines == 0 || at >= blocks) return {};
-    const int64_t b = at++;
-    return rows::RowFetch<_MM_HINT_T1>(first, 64, 64, lines * b / blocks, lines * (b + 1) / blocks, keys);
-  }
-};
-
 // acc[r KB + C] += the dot products of key row k with query rows q + r E,
 // the key row read whole in address order (rows_cpu.cpp's key_dot); `page`
 // takes its page-ahead share at the row.
@@ -407,18 +386,34 @@ MHA_AVX2 void dot_rows_t(const float* q, int64_t R, int64_t E, const Row<kKind>*
   }
 }
 
-// What the blocks of a chunk's first pass over 16-bit value rows fetch at
-// each key: the lines of their columns l1 bytes on into L1 and l2 bytes on
-// into L2 (0: the row itself, about to be read). Against block 0 fetching
-// whole rows (PageFetch) and the other blocks nothing, two threads, K/V from
-// memory (AMD EPYC of family 23): bfloat16 P V of 4 query rows 1.31-1.40x
-// with the far fetch, bfloat16 and float16 1, 4 and 16 rows 0.92-1.14x
-// whole decode steps. Float32 rows ran this 0.84-0.93x (1 and 4 rows of 128
-// columns, but 16 rows 1.23-1.31x) and keep PageFetch into L1; in more than
-// one pass a chunk they take the L2 part (l2: the next chunk), in one pass
-// NextChunk (acc_rows_t).
+// What the blocks of a chunk's first pass fetch at each key.
+// - 16-bit rows: the lines of their columns l1 bytes on into L1 and l2 bytes
+//   on into L2 (0: the row itself, about to be read). Against block 0
+//   fetching whole rows a page ahead and the other blocks nothing, two
+//   threads, K/V from memory (AMD EPYC of family 23): bfloat16 P V of 4
+//   query rows 1.31-1.40x with the far fetch, bfloat16 and float16 1, 4 and
+//   16 rows 0.92-1.14x whole decode steps.
+// - Adjacent float32 rows (`next` set): at each key, the next block's
+//   columns of the same row into L1 (from L2: the block reads them a block
+//   later), and the block's share of the next chunk's lines into L2, in
+//   address order from `next` (each block as many lines a key as its
+//   columns take, the blocks one after another). Branch-free: a fixed count
+//   of prefetches a key at addresses one add apart. Against block 0 fetching
+//   whole rows a page ahead with its line count and row kept a key, and the
+//   other blocks the next chunk a few lines at a key in the same way (their
+//   bookkeeping, a few branches and reloads a key, cost the P V of 4 rows
+//   of 128 columns half its time in L1: 58-64 ns a key against 32-33 with
+//   no fetch at all), two threads, AMD EPYC of family 23, interleaved,
+//   scores and P V: from memory 4 rows of 128 columns 1.14-1.18x, of 64
+//   1.10-1.12x, 6 and 8 rows 1.15-1.20x, 1 and 2 rows 0.99-1.07x; in the
+//   caches 4 rows 1.33-1.39x, 1 row 1.24-1.28x. The same stream with the
+//   chunk's lines a page ahead into L1 in place of the next block's did
+//   the same within noise. Columns of each block fetched a page ahead (the
+//   16-bit form) ran float32 rows 0.84-0.93x in an earlier measurement.
+// Rows that are not adjacent fetch the next chunk before it (acc_rows_t).
 struct StripFetch {
   int64_t l1 = 0, l2 = 0;
+  const char* next = nullptr;
 };
 
 // O (RB rows, ldo) += P (RB x nj, ldp) V (nj rows, ldv) over 8 NV columns
@@ -426,18 +421,13 @@ struct StripFetch {
 // in key order, added to O at the end. Rows past rr repeat the last real
 // one (computed, never stored). bfloat16 blocks of 16 columns or more read
 // them as even and odd columns (load16_pairs), the sums put back in column
-// order at the end. Only a block with kFetch fetches at each key: float32
-// rows by PageFetch and RowFetch (or StripFetch's l2), whose bookkeeping in
-// the loop (a few branches and reloads a key) the blocks with nothing to
-// fetch go without (bfloat16 P V 1.19-1.23x in one thread when it still took
-// that form), 16-bit rows by StripFetch.
+// order at the end. Only a block with kFetch fetches at each key (StripFetch).
 template <int kKind, int RB, int NV, bool kFetch>
 MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, const Row<kKind>* v, int64_t ldv,
-                          int64_t cols, float* o, int64_t ldo, const PageFetch& page_in,
-                          rows::RowFetch<_MM_HINT_T1> next = {}, StripFetch strip = {}) {
+                          int64_t cols, float* o, int64_t ldo, const StripFetch& strip = {}) {
   constexpr bool kPairs = kKind == 1 && NV % 2 == 0;
   constexpr int kLines = std::max<int>(1, 8 * NV * static_cast<int>(sizeof(Row<kKind>)) / 64);
-  PageFetch page = page_in;
+  const char* next = strip.next;
   const float* pr[RB];
 #pragma GCC unroll 8
   for (int r = 0; r < RB; ++r) pr[r] = p + std::min<int64_t>(r, rr - 1) * ldp;
@@ -450,14 +440,13 @@ MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, c
   for (int64_t j = 0; j < nj; ++j) {
     const Row<kKind>* vr = v + j * ldv;
     if constexpr (kFetch && kKind == 0) {
-      page(vr);
-      if (strip.l2 > 0) {
-        const char* at = reinterpret_cast<const char*>(vr) + strip.l2;
+      const char* at = reinterpret_cast<const char*>(vr + 8 * NV);
 #pragma GCC unroll 4
-        for (int x = 0; x < kLines; ++x) _mm_prefetch(at + 64 * x, _MM_HINT_T1);
-      } else {
-        next();
+      for (int x = 0; x < kLines; ++x) {
+        _mm_prefetch(at + 64 * x, _MM_HINT_T0);
+        _mm_prefetch(next + 64 * x, _MM_HINT_T1);
       }
+      next += 64 * kLines;
     } else if constexpr (kFetch) {
       const char* at = reinterpret_cast<const char*>(vr);
 #pragma GCC unroll 4
@@ -529,41 +518,31 @@ MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, c
   }
 }
 
-// The rows of the next pass with rr rows left (acc_rows_t), its vectors a
-// block (value_pass's NV), and its blocks over `cols` columns.
+// The rows of the next pass with rr rows left (acc_rows_t), and its vectors
+// a block (value_pass's NV).
 constexpr int64_t pass_rows(int64_t rr) { return rr >= 6 ? 6 : rr >= 4 ? 4 : rr >= 2 ? 2 : 1; }
 constexpr int64_t pass_vectors(int64_t rb) { return rb >= 4 ? 2 : rb == 2 ? 4 : 8; }
-constexpr int64_t pass_blocks(int64_t rb, int64_t cols) {
-  return cols / (8 * pass_vectors(rb)) + (cols % (8 * pass_vectors(rb)) + 7) / 8;
-}
 
 // One pass of RB rows over the columns [0, cols) of a chunk: blocks of 8 NV
 // columns, then single vectors, the last maybe partial (with NV = 1 only
-// that one). In the chunk's first pass (`page` given) the first block takes
-// `page` at each key, and the blocks with a share of the next chunk take it
-// spread over their keys (float32 in more than one pass: every block its
-// own columns' lines of the next chunk, `strip`.l2); the other blocks fetch
-// nothing in their loop.
+// that one). In the chunk's first pass (`first`) the blocks fetch at each
+// key what `strip` says (float32 rows only where it has `next`, each block
+// from where the one before left off); the other passes fetch nothing.
 template <int kKind, int RB, int NV>
 MHA_AVX2 void value_pass(const float* p, int64_t ldp, int64_t rr, int64_t nj, const Row<kKind>* v, int64_t ldv,
-                         int64_t cols, float* o, int64_t ldo, const PageFetch* page, NextChunk& next,
-                         const StripFetch& strip) {
-  const PageFetch none;
+                         int64_t cols, float* o, int64_t ldo, bool first, StripFetch strip) {
+  const bool fetch = first && (kKind != 0 || strip.next != nullptr);
+  auto block = [&](auto nv, int64_t c0, int64_t width) {
+    constexpr int kNV = decltype(nv)::value;
+    if (fetch)
+      value_block<kKind, RB, kNV, true>(p, ldp, rr, nj, v + c0, ldv, width, o + c0, ldo, strip);
+    else
+      value_block<kKind, RB, kNV, false>(p, ldp, rr, nj, v + c0, ldv, width, o + c0, ldo);
+    if (strip.next != nullptr) strip.next += 64 * std::max<int64_t>(1, 8 * kNV * sizeof(Row<kKind>) / 64) * nj;
+  };
   int64_t c0 = 0;
-  for (; c0 + 8 * NV <= cols; c0 += 8 * NV) {
-    if (kKind != 0 && page != nullptr) {  // (16-bit rows: every block of the first pass, StripFetch)
-      value_block<kKind, RB, NV, true>(p, ldp, rr, nj, v + c0, ldv, 8 * NV, o + c0, ldo, none, {}, strip);
-    } else if (page != nullptr && (c0 == 0 || next.lines > 0 || strip.l2 > 0)) {
-      value_block<kKind, RB, NV, true>(p, ldp, rr, nj, v + c0, ldv, 8 * NV, o + c0, ldo, c0 == 0 ? *page : none,
-                                       next.share(), strip);
-    } else {
-      value_block<kKind, RB, NV, false>(p, ldp, rr, nj, v + c0, ldv, 8 * NV, o + c0, ldo, none);
-    }
-  }
-  for (; c0 < cols; c0 += 8)
-    value_block<kKind, RB, 1, true>(p, ldp, rr, nj, v + c0, ldv, std::min<int64_t>(8, cols - c0), o + c0, ldo,
-                                    kKind == 0 && c0 == 0 && page != nullptr ? *page : none, next.share(),
-                                    page != nullptr ? strip : StripFetch{});
+  for (; c0 + 8 * NV <= cols; c0 += 8 * NV) block(std::integral_constant<int, NV>{}, c0, 8 * NV);
+  for (; c0 < cols; c0 += 8) block(std::integral_constant<int, 1>{}, c0, std::min<int64_t>(8, cols - c0));
 }
 
 // O (R x Ev) += P (R x n) V (n x Ev) by chunks of rows::kValueKeys keys
@@ -571,52 +550,36 @@ MHA_AVX2 void value_pass(const float* p, int64_t ldp, int64_t rr, int64_t nj, co
 // rest: 6 rows by 16 columns a pass, then 4 by 16, 2 by 32, 1 by 64 (a
 // block's sums in 12 or 8 registers; 6 x 16 takes 8 loads, value vectors
 // and broadcasts of P, for 12 multiply-adds, where the 8 x 8 of before
-// took 9 for 8). The first pass fetches adjacent rows a page ahead; rows
-// not adjacent have the next chunk fetched into L2 first.
+// took 9 for 8). The first pass fetches as StripFetch says; rows not
+// adjacent have the next chunk fetched into L2 first.
 template <int kKind>
 MHA_AVX2 void acc_rows_t(const float* p, int64_t R, int64_t n, int64_t ldp, const Row<kKind>* v, int64_t ldv,
                          int64_t Ev, float* o, int64_t ldo, bool far_fetch) {
   const int64_t elem = sizeof(Row<kKind>), row_bytes = Ev * elem;
   StripFetch strip;  // (16-bit rows) adjacent: a page ahead into L1; far into L2 (strided rows: kFarRows keys on)
-  if (ldv == Ev) strip.l1 = rows::kFetchAhead;
-  if (far_fetch) strip.l2 = ldv == Ev ? rows::kFarAhead : rows::kFarRows * ldv * elem;
+  if (kKind != 0 && ldv == Ev) strip.l1 = rows::kFetchAhead;
+  if (kKind != 0 && far_fetch) strip.l2 = ldv == Ev ? rows::kFarAhead : rows::kFarRows * ldv * elem;
   for (int64_t j0 = 0; j0 < n; j0 += rows::kValueKeys) {
     const int64_t nj = std::min(rows::kValueKeys, n - j0);
     const Row<kKind>* vc = v + j0 * ldv;
-    // (float32 rows; 16-bit rows fetch by StripFetch, `page` only marking the first pass)
-    const PageFetch page = kKind != 0   ? PageFetch{}
-                           : ldv == Ev ? PageFetch::first_pass(vc, ldv * elem, row_bytes, nj, elem, far_fetch)
-                                       : PageFetch::strided(far_fetch, ldv * elem, row_bytes);
-    const int64_t ahead = std::clamp<int64_t>(n - j0 - rows::kValueKeys, 0, rows::kValueKeys);
-    if (ldv != Ev) rows::fetch_rows_l2(vc + rows::kValueKeys * ldv, ldv * elem, ahead, row_bytes);
-    NextChunk next;
-    // float32 rows in more than one pass: a whole next chunk's lines by the
-    // first pass's blocks, each its own columns' at each key, in place of
-    // NextChunk (its share spread over the first pass, the rest at the start
-    // of each later pass): 8-16 rows 1.03-1.14x whole steps, 5 and 7 rows
-    // 0.98-1.13x, 3 rows 0.94-1.00x (interleaved, K/V from memory, run to
-    // run); in one pass (1, 2, 4, 6 rows) NextChunk stays (0.87-1.02x)
-    StripFetch chunk_strip = strip;
-    const bool passes = pass_rows(R) < R;
-    if (kKind == 0 && ldv == Ev && passes)
-      chunk_strip.l2 = ahead == rows::kValueKeys ? rows::kValueKeys * ldv * elem : 0;
-    if (kKind == 0 && ldv == Ev && !passes) {
-      next.first = reinterpret_cast<const char*>(vc + rows::kValueKeys * ldv);
-      next.lines = (ahead * row_bytes + 63) / 64, next.blocks = pass_blocks(R, Ev), next.keys = nj;
+    if (ldv != Ev) {
+      const int64_t ahead = std::clamp<int64_t>(n - j0 - rows::kValueKeys, 0, rows::kValueKeys);
+      rows::fetch_rows_l2(vc + rows::kValueKeys * ldv, ldv * elem, ahead, row_bytes);
+    } else if (kKind == 0) {  // (the stream runs on past the call's last chunk: prefetches do not fault)
+      strip.next = reinterpret_cast<const char*>(vc + rows::kValueKeys * ldv);
     }
     for (int64_t r0 = 0; r0 < R;) {
       const int64_t rr = R - r0, rb = pass_rows(rr);
       const float* pr = p + r0 * ldp + j0;
       float* orow = o + r0 * ldo;
-      const PageFetch* pg = r0 == 0 ? &page : nullptr;
       if (rb == 6)
-        value_pass<kKind, 6, pass_vectors(6)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next, chunk_strip);
+        value_pass<kKind, 6, pass_vectors(6)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, r0 == 0, strip);
       else if (rb == 4)
-        value_pass<kKind, 4, pass_vectors(4)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next, chunk_strip);
+        value_pass<kKind, 4, pass_vectors(4)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, r0 == 0, strip);
       else if (rb == 2)
-        value_pass<kKind, 2, pass_vectors(2)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next, chunk_strip);
+        value_pass<kKind, 2, pass_vectors(2)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, r0 == 0, strip);
       else
-        value_pass<kKind, 1, pass_vectors(1)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, pg, next, chunk_strip);
+        value_pass<kKind, 1, pass_vectors(1)>(pr, ldp, rr, nj, vc, ldv, Ev, orow, ldo, r0 == 0, strip);
       r0 += rb;
     }
   }
