@@ -34,6 +34,7 @@
 #include <cstring>
 #include <random>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #ifdef MHA_ROWS_OLD
@@ -64,9 +65,15 @@ void run_tiles(Work& w, int kind, int64_t R, int64_t E, int64_t S, int which, bo
     for (int64_t j0 = 0; j0 < S; j0 += kTile) {
       if (which & 1)
         dot(w.q.data(), R, E, w.k.data() + j0 * E * elem, static_cast<Kind>(kind), E, kTile, w.s.data(), kTile, far);
-      if (which & 2)
+      if constexpr (std::is_invocable_v<Acc, const float*, int64_t, int64_t, int64_t, const char*, Kind, int64_t,
+                                        int64_t, float*, int64_t, bool, int64_t>) {
+        if (which & 2)  // (rows_after: the rest of the thread's keys, read next)
+          acc(w.s.data(), R, kTile, kTile, w.v.data() + j0 * E * elem, static_cast<Kind>(kind), E, E, w.o.data(), E,
+              far, S - j0 - kTile);
+      } else if (which & 2) {  // (a version from before rows_after)
         acc(w.s.data(), R, kTile, kTile, w.v.data() + j0 * E * elem, static_cast<Kind>(kind), E, E, w.o.data(), E,
             far);
+      }
     }
   }
 }

@@ -351,7 +351,8 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
             done = cpu::acc_rows_16(s, R, n, n, reinterpret_cast<const uint16_t*>(v_tile), p.v_stride.row, Ev, o, Ev,
                                     std::is_same_v<scalar_t, c10::BFloat16>, far_fetch);
           else if constexpr (std::is_same_v<scalar_t, float>)
-            done = cpu::acc_rows(s, R, n, n, v_tile, p.v_stride.row, Ev, o, Ev, far_fetch);
+            done = cpu::acc_rows(s, R, n, n, v_tile, p.v_stride.row, Ev, o, Ev, far_fetch,
+                                 p.block_table == nullptr ? j_hi - j0 - n : 0);  // (the split's next tile)
           if (done) continue;
         }
         const int64_t step = tile_needs_pack<scalar_t, acc_t>(p.v_stride.col) ? kVRows : n;

@@ -137,9 +137,12 @@ bool dot_rows_bf16(const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, i
 // o[r * ldo + c] += sum over j < n of p[r * ldp + j] v[j * ldv + c] for R rows
 // and Ev columns, each value row read whole in address order; false (nothing
 // written) where the path in use has no such routine. acc_rows_16: bfloat16
-// (bf16) or float16 rows of v widened in registers
+// (bf16) or float16 rows of v widened in registers. rows_after: value rows
+// after the n that the caller reads next (its next tile, adjacent), which
+// the AVX2 float32 routine fetches a chunk of ahead; 0 where there are none
+// or they lie elsewhere (a paged pool's next block)
 bool acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v, int64_t ldv, int64_t Ev, float* o,
-              int64_t ldo, bool far_fetch);
+              int64_t ldo, bool far_fetch, int64_t rows_after = 0);
 bool acc_rows_16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev,
                  float* o, int64_t ldo, bool bf16, bool far_fetch);
 // dst[i] = float of the bfloat16 / float16 bits src[i] (exact)

@@ -6,7 +6,7 @@
 // decode kernel's scores in scalar C++.
 #include "rows_avx2.h"
 
-#include "rows_avx512.h"  // (the fetches: RowFetch, PageFetch, fetch_rows_l2)
+#include "rows_avx512.h"  // (the fetches: PageFetch, fetch_rows_l2; kValueKeys)
 #include "x86_intrinsics.h"
 
 #if MHA_X86
@@ -269,11 +269,15 @@ MHA_AVX2 void dot_rows_t(const float* q, int64_t R, int64_t E, const Row<kKind>*
 //   query rows 1.31-1.40x with the far fetch, bfloat16 and float16 1, 4 and
 //   16 rows 0.92-1.14x whole decode steps.
 // - Adjacent float32 rows (`next` set): at each key, the next block's
-//   columns of the same row into L1 (from L2: the block reads them a block
-//   later), and the block's share of the next chunk's lines into L2, in
-//   address order from `next` (each block as many lines a key as its
-//   columns take, the blocks one after another). Branch-free: a fixed count
-//   of prefetches a key at addresses one add apart. Against block 0 fetching
+//   columns of the same row into L1 (the block after reads them; they are
+//   in L2 from the chunk before's stream, except in a call's first chunk;
+//   the last block's go to the next row's first columns, already read), and
+//   the block's share of the next chunk's lines into L2, in address order
+//   from `next` (each block as many lines a key as its columns take, a whole
+//   line for a block of 8 columns or fewer: a little more than the chunk
+//   where Ev is not a multiple of the block, fetched twice), the blocks one
+//   after another. Branch-free: a fixed count of prefetches a key at
+//   addresses one add apart. Against block 0 fetching
 //   whole rows a page ahead with its line count and row kept a key, and the
 //   other blocks the next chunk a few lines at a key in the same way (their
 //   bookkeeping, a few branches and reloads a key, cost the P V of 4 rows
@@ -429,7 +433,7 @@ MHA_AVX2 void value_pass(const float* p, int64_t ldp, int64_t rr, int64_t nj, co
 // adjacent have the next chunk fetched into L2 first.
 template <int kKind>
 MHA_AVX2 void acc_rows_t(const float* p, int64_t R, int64_t n, int64_t ldp, const Row<kKind>* v, int64_t ldv,
-                         int64_t Ev, float* o, int64_t ldo, bool far_fetch) {
+                         int64_t Ev, float* o, int64_t ldo, bool far_fetch, int64_t rows_after = 0) {
   const int64_t elem = sizeof(Row<kKind>), row_bytes = Ev * elem;
   StripFetch strip;  // (16-bit rows) adjacent: a page ahead into L1; far into L2 (strided rows: kFarRows keys on)
   if (kKind != 0 && ldv == Ev) strip.l1 = rows::kFetchAhead;
@@ -440,8 +444,12 @@ MHA_AVX2 void acc_rows_t(const float* p, int64_t R, int64_t n, int64_t ldp, cons
     if (ldv != Ev) {
       const int64_t ahead = std::clamp<int64_t>(n - j0 - rows::kValueKeys, 0, rows::kValueKeys);
       rows::fetch_rows_l2(vc + rows::kValueKeys * ldv, ldv * elem, ahead, row_bytes);
-    } else if (kKind == 0) {  // (the stream runs on past the call's last chunk: prefetches do not fault)
-      strip.next = reinterpret_cast<const char*>(vc + rows::kValueKeys * ldv);
+    } else if (kKind == 0) {
+      // the next chunk, into the caller's next rows (rows_after) at the
+      // call's end; where fewer than a whole chunk follow, this chunk again
+      // (in the caches: nothing read from memory past the rows in use)
+      const bool whole = n + rows_after - j0 - rows::kValueKeys >= rows::kValueKeys;
+      strip.next = reinterpret_cast<const char*>(whole ? vc + rows::kValueKeys * ldv : vc);
     }
     for (int64_t r0 = 0; r0 < R;) {
       const int64_t rr = R - r0, rb = pass_rows(rr);
@@ -478,10 +486,10 @@ void dot_rows(const float* q, int64_t R, int64_t E, const void* k, RowKind kind,
 }
 
 void acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const void* v, RowKind kind, int64_t ldv, int64_t Ev,
-              float* o, int64_t ldo, bool far_fetch) {
+              float* o, int64_t ldo, bool far_fetch, int64_t rows_after) {
   far_fetch = far_fetch && kind != RowKind::kFloat;
   if (kind == RowKind::kFloat)
-    return acc_rows_t<0>(p, R, n, ldp, static_cast<const float*>(v), ldv, Ev, o, ldo, far_fetch);
+    return acc_rows_t<0>(p, R, n, ldp, static_cast<const float*>(v), ldv, Ev, o, ldo, far_fetch, rows_after);
   const auto* v16 = static_cast<const uint16_t*>(v);
   if (kind == RowKind::kBf16) return acc_rows_t<1>(p, R, n, ldp, v16, ldv, Ev, o, ldo, far_fetch);
   acc_rows_t<2>(p, R, n, ldp, v16, ldv, Ev, o, ldo, far_fetch);

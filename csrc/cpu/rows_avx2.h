@@ -40,8 +40,9 @@ void dot_rows(const float* q, int64_t R, int64_t E, const void* k, RowKind kind,
 int64_t dot_rows_lanes(const float* q, int64_t R, int64_t E, const void* k, RowKind kind, int64_t ldk, int64_t n,
                        float* s, int64_t lds, bool far_fetch);
 // o[r * ldo + c] += sum over j < n of p[r * ldp + j] v[j * ldv + c], R rows, Ev columns
+// (rows_after: as gemm_cpu.h's acc_rows)
 void acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const void* v, RowKind kind, int64_t ldv, int64_t Ev,
-              float* o, int64_t ldo, bool far_fetch);
+              float* o, int64_t ldo, bool far_fetch, int64_t rows_after = 0);
 }  // namespace avx2
 
 }  // namespace cpu

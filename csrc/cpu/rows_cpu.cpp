@@ -538,18 +538,19 @@ bool dot_rows_bf16(const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, i
 }
 
 bool acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v, int64_t ldv, int64_t Ev, float* o,
-              int64_t ldo, bool far_fetch) {
+              int64_t ldo, bool far_fetch, int64_t rows_after) {
 #if MHA_X86
   if (active_isa() >= Isa::kAvx512) {
     acc_rows_avx512<0>(p, R, n, ldp, v, ldv, Ev, o, ldo, far_fetch);
     return true;
   }
   if (active_isa() >= Isa::kAvx2) {
-    avx2::acc_rows(p, R, n, ldp, v, avx2::RowKind::kFloat, ldv, Ev, o, ldo, far_fetch);
+    avx2::acc_rows(p, R, n, ldp, v, avx2::RowKind::kFloat, ldv, Ev, o, ldo, far_fetch, rows_after);
     return true;
   }
 #endif
-  (void)p, (void)R, (void)n, (void)ldp, (void)v, (void)ldv, (void)Ev, (void)o, (void)ldo, (void)far_fetch;
+  (void)p, (void)R, (void)n, (void)ldp, (void)v, (void)ldv, (void)Ev, (void)o, (void)ldo, (void)far_fetch,
+      (void)rows_after;
   return false;
 }
 
