@@ -295,6 +295,10 @@ struct StripFetch {
   const char* next = nullptr;
 };
 
+// The cache lines a block of 8 NV columns fetches at each key (at least one)
+template <int kKind, int NV>
+constexpr int kBlockLines = std::max<int>(1, 8 * NV * static_cast<int>(sizeof(Row<kKind>)) / 64);
+
 // O (RB rows, ldo) += P (RB x nj, ldp) V (nj rows, ldv) over 8 NV columns
 // (or, with NV = 1, cols <= 8 of them): the RB x NV sums in registers, each
 // in key order, added to O at the end. Rows past rr repeat the last real
@@ -305,7 +309,7 @@ template <int kKind, int RB, int NV, bool kFetch>
 MHA_AVX2 void value_block(const float* p, int64_t ldp, int64_t rr, int64_t nj, const Row<kKind>* v, int64_t ldv,
                           int64_t cols, float* o, int64_t ldo, const StripFetch& strip = {}) {
   constexpr bool kPairs = kKind == 1 && NV % 2 == 0;
-  constexpr int kLines = std::max<int>(1, 8 * NV * static_cast<int>(sizeof(Row<kKind>)) / 64);
+  constexpr int kLines = kBlockLines<kKind, NV>;
   const char* next = strip.next;
   const float* pr[RB];
 #pragma GCC unroll 8
@@ -417,7 +421,7 @@ MHA_AVX2 void value_pass(const float* p, int64_t ldp, int64_t rr, int64_t nj, co
       value_block<kKind, RB, kNV, true>(p, ldp, rr, nj, v + c0, ldv, width, o + c0, ldo, strip);
     else
       value_block<kKind, RB, kNV, false>(p, ldp, rr, nj, v + c0, ldv, width, o + c0, ldo);
-    if (strip.next != nullptr) strip.next += 64 * std::max<int64_t>(1, 8 * kNV * sizeof(Row<kKind>) / 64) * nj;
+    if (strip.next != nullptr) strip.next += 64 * kBlockLines<kKind, kNV> * nj;
   };
   int64_t c0 = 0;
   for (; c0 + 8 * NV <= cols; c0 += 8 * NV) block(std::integral_constant<int, NV>{}, c0, 8 * NV);
