@@ -72,7 +72,10 @@ struct RowFetch {
     col = lo % lpr;
     per = (left + steps - 1) / std::max<int64_t>(steps, 1);
   }
-  void operator()() {
+  // (always inlined, as PageFetch's and sum16: a call from a routine's loop
+  // would put every live vector register on the stack around it, as the
+  // x86-64 ABI keeps none across calls)
+  __attribute__((always_inline)) void operator()() {
     for (int64_t x = 0; x < per && left > 0; ++x, --left) {
       _mm_prefetch(row + 64 * col, static_cast<_mm_hint>(kHint));
       if (++col == lpr) col = 0, row += stride;
@@ -130,7 +133,7 @@ struct PageFetch {
   RowFetch<_MM_HINT_T0> block;               // or the block's lines (empty by default)
   int64_t far_bytes = 0;                     // of each row fetched far_ahead bytes on, or 0
   int64_t far_ahead = kFarAhead;
-  void operator()(const void* row) {
+  __attribute__((always_inline)) void operator()(const void* row) {
     block();
     const char* at = static_cast<const char*>(row) + kFetchAhead;
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);

@@ -1,0 +1,56 @@
+"""The small helpers that the CPU decode routines call at every key or block
+(sum16, the fetch schedules' operator()) stay inlined in the built libraries.
+The x86-64 ABI keeps no vector register across a call, so one such helper
+left out of line puts a routine's accumulators on the stack. g++ 12 decides
+differently for the two builds of the same source: it inlined sum16 into the
+Python extension and left it out of line in the LibTorch library (CMake),
+where a store then followed every multiply-add of the AVX-512 scores (the
+same routine built both ways and timed in one process: whole decode steps
+1.03-1.22x faster inlined). They are marked always_inline; this reads the
+libraries' symbol tables, where an out-of-line copy would show."""
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+
+import mha_ext
+
+HELPERS = {
+    "sum16": re.compile(r"::sum16\("),
+    "PageFetch::operator()": re.compile(r"PageFetch::operator\(\)"),
+    "RowFetch<...>::operator()": re.compile(r"RowFetch<[^>]*>::operator\(\)"),
+}
+
+
+def defined_symbols(path):
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.fail("nm (binutils) is needed to read the library's symbols")
+    out = subprocess.run([nm, "-C", "--defined-only", path], check=True, capture_output=True, text=True).stdout
+    return [line.split(" ", 2)[-1] for line in out.splitlines() if line.strip()]
+
+
+def out_of_line(symbols):
+    return {name: [s for s in symbols if pat.search(s)] for name, pat in HELPERS.items() if any(pat.search(s) for s in symbols)}
+
+
+def test_the_check_finds_an_out_of_line_helper():
+    syms = ["void mha_ext::cpu::(anonymous namespace)::score_block<3, 1, false>(...)",
+            "mha_ext::cpu::(anonymous namespace)::sum16(float __vector(16) const*)",
+            "mha_ext::cpu::rows::RowFetch<3>::operator()()"]
+    assert set(out_of_line(syms)) == {"sum16", "RowFetch<...>::operator()"}
+
+
+# the Python extension, and the LibTorch library where scripts/setup.sh --cpp built it
+CMAKE_LIBRARY = pathlib.Path(__file__).resolve().parent.parent / "build" / "cmake" / "libmha_ext.so"
+LIBRARIES = [mha_ext.library_path] + ([str(CMAKE_LIBRARY)] if CMAKE_LIBRARY.exists() else [])
+
+
+@pytest.mark.parametrize("path", LIBRARIES)
+def test_decode_helpers_are_inlined(path):
+    syms = defined_symbols(path)
+    # the routines that call them are in the table (not a stripped library)
+    assert any("score_block<" in s for s in syms), f"no score_block symbol in {path}: is it stripped?"
+    assert out_of_line(syms) == {}
