@@ -9,6 +9,7 @@ same routine built both ways and timed in one process: whole decode steps
 1.03-1.22x faster inlined). They are marked always_inline; this reads the
 libraries' symbol tables, where an out-of-line copy would show."""
 import pathlib
+import platform
 import re
 import shutil
 import subprocess
@@ -48,6 +49,7 @@ CMAKE_LIBRARY = pathlib.Path(__file__).resolve().parent.parent / "build" / "cmak
 LIBRARIES = [mha_ext.library_path] + ([str(CMAKE_LIBRARY)] if CMAKE_LIBRARY.exists() else [])
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the vector row routines are x86-64 only")
 @pytest.mark.parametrize("path", LIBRARIES)
 def test_decode_helpers_are_inlined(path):
     syms = defined_symbols(path)
