@@ -1,13 +1,14 @@
 """The small helpers that the CPU decode routines call at every key or block
 (sum16, the fetch schedules' operator()) stay inlined in the built libraries.
 The x86-64 ABI keeps no vector register across a call, so one such helper
-left out of line puts a routine's accumulators on the stack. g++ 12 decides
-differently for the two builds of the same source: it inlined sum16 into the
-Python extension and left it out of line in the LibTorch library (CMake),
-where a store then followed every multiply-add of the AVX-512 scores (the
+left out of line puts a routine's accumulators on the stack. g++ 12 left
+sum16 out of line in both builds (the Python extension and the LibTorch
+library), and a store followed every multiply-add of the AVX-512 scores (the
 same routine built both ways and timed in one process: whole decode steps
-1.03-1.22x faster inlined). They are marked always_inline; this reads the
-libraries' symbol tables, where an out-of-line copy would show."""
+1.03-1.22x faster inlined); its inlining also turns on unrelated code
+(marking the fetch operators always_inline alone inlined it in one build).
+They are marked always_inline; this reads the libraries' symbol tables,
+where an out-of-line copy would show."""
 import pathlib
 import platform
 import re

@@ -61,10 +61,10 @@ void dot_rows_16_generic(const float* q, int64_t R, int64_t E, const uint16_t* k
 // x[l]. A tree of 15 steps, each two shuffles and an add (halves, quarters,
 // pairs, single lanes), in place of a horizontal sum per vector; its order
 // is fixed, so each sum is the same for any caller. Always inlined: out of
-// line (as g++ 12 left it in the LibTorch library's build, not in the Python
-// extension's), the pointer to score_block's accumulators kept them on the
-// stack, a store after every multiply-add; inlined, they stay in registers
-// (1.03-1.22x whole decode steps, Intel Xeon with AMX, bit-identical).
+// line (as g++ 12 left it in both builds), the pointer to score_block's
+// accumulators kept them on the stack, a store after every multiply-add;
+// inlined, they stay in registers (1.03-1.22x whole decode steps, Intel Xeon
+// with AMX, bit-identical).
 __attribute__((target("avx512f"), always_inline)) inline __m512 sum16(const __m512* x) {
   // after the four steps lane 4 j + m holds the sum of input 4 m + j: inputs in that order
   __m512 a[16], b[8], c[4], d[2];
