@@ -180,8 +180,11 @@ def test_the_gil_is_released_during_the_op():
     # Holding the GIL, the op would let it run only in the 5 ms switch
     # intervals after the call (the count then covers about 5 ms of spinning);
     # released, the count covers most of the call. One op thread, so the
-    # spinning thread has a core of its own on a 2-core machine.
-    q, k, v = torch.randn(1, 8, 512, 64), torch.randn(1, 8, 4096, 64), torch.randn(1, 8, 4096, 64)
+    # spinning thread has a core of its own on a 2-core machine. The call
+    # must outlast the switch interval many times over: 1024 x 8192 a head,
+    # four times the work of 512 x 4096, which took 47 ms once on an Intel
+    # Xeon with AMX (one thread), under the 50 ms the check below needs.
+    q, k, v = torch.randn(1, 8, 1024, 64), torch.randn(1, 8, 8192, 64), torch.randn(1, 8, 8192, 64)
     count, stop = [0], threading.Event()
 
     def spin():
