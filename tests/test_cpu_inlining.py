@@ -7,7 +7,9 @@ library), and a store followed every multiply-add of the AVX-512 scores (the
 same routine built both ways and timed in one process: whole decode steps
 1.03-1.22x faster inlined); whether g++ inlines it depends on unrelated
 code (marking the fetch operators always_inline alone inlined it in one build).
-They are marked always_inline; this reads the libraries' symbol tables,
+The same holds for the block bodies that the score and value routines take
+with constant head dims (score_block_e, value_block_e) and for the lambdas
+that pass the constants. They are marked always_inline; this reads the libraries' symbol tables,
 where an out-of-line copy would show."""
 import pathlib
 import platform
@@ -23,6 +25,11 @@ HELPERS = {
     "sum16": re.compile(r"::sum16\("),
     "PageFetch::operator()": re.compile(r"PageFetch::operator\(\)"),
     "RowFetch<...>::operator()": re.compile(r"RowFetch<[^>]*>::operator\(\)"),
+    # the block bodies that score_block / value_block take with constant head
+    # dims and fetches, and the lambdas that pass them the constants
+    "score_block_e / value_block_e": re.compile(r"::(score|value)_block_e<"),
+    "with_fixed_page": re.compile(r"::with_fixed_page<"),
+    "a lambda of score_block / value_block": re.compile(r"::(score|value)_block<.*::\{lambda"),
 }
 
 
@@ -42,8 +49,11 @@ def out_of_line(symbols):
 def test_the_check_finds_an_out_of_line_helper():
     syms = ["void mha_ext::cpu::(anonymous namespace)::score_block<3, 1, false>(...)",
             "mha_ext::cpu::(anonymous namespace)::sum16(float __vector(16) const*)",
-            "mha_ext::cpu::rows::RowFetch<3>::operator()()"]
-    assert set(out_of_line(syms)) == {"sum16", "RowFetch<...>::operator()"}
+            "mha_ext::cpu::rows::RowFetch<3>::operator()()",
+            "void mha_ext::cpu::(anonymous namespace)::value_block_e<1, 1, 2, false>(...)",
+            "mha_ext::cpu::(anonymous namespace)::score_block<3, 1, false>(...)::{lambda(auto:1)#1}::operator()(...)"]
+    assert set(out_of_line(syms)) == {"sum16", "RowFetch<...>::operator()", "score_block_e / value_block_e",
+                                      "a lambda of score_block / value_block"}
 
 
 # the Python extension, and the LibTorch library where scripts/setup.sh --cpp built it

@@ -166,6 +166,30 @@ struct PageFetch {
   }
 };
 
+// f(page) with page's fields as constants the compiler sees, where page is
+// one of the forms a pass of adjacent rows of row_bytes takes (none, the
+// row's own bytes a page on, with the far fetch or without); false otherwise.
+template <typename F>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline bool with_fixed_page(const PageFetch& page,
+                                                                                               int64_t row_bytes, F&& f) {
+  if (page.block.left != 0 || page.far_ahead != kFarAhead) return false;
+  PageFetch c;
+  if (page.bytes == 0 && page.far_bytes == 0) {
+    f(c);
+    return true;
+  }
+  if (page.bytes != row_bytes) return false;
+  c.bytes = row_bytes;
+  if (page.far_bytes == 0) {
+    f(c);
+    return true;
+  }
+  if (page.far_bytes != row_bytes) return false;
+  c.far_bytes = row_bytes;
+  f(c);
+  return true;
+}
+
 // Float32 query rows in groups of 16, one a lane (rows_lanes_cpu.cpp); each
 // returns how many of the R rows it took (a multiple of 16), the caller
 // takes the rest. AVX-512 only.

@@ -164,11 +164,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // where kFetch (an instantiation of its own: the fetches cost the others
 // registers, and those passes never fetch); `page`, the page-ahead fetch at
 // each key.
-template <int kKind, int RB, bool kFetch = false>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const typename ScoreKind<kKind>::Q* q, int64_t E,
-                                                                    const typename ScoreKind<kKind>::K* k, int64_t ldk,
-                                                                    int64_t nc, float* s, int64_t lds,
-                                                                    int64_t n_ahead, const PageFetch& page_in) {
+template <int kKind, int RB, bool kFetch>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void score_block_e(
+    const typename ScoreKind<kKind>::Q* q, int64_t E, const typename ScoreKind<kKind>::K* k, int64_t ldk, int64_t nc,
+    float* s, int64_t lds, int64_t n_ahead, const PageFetch& page_in) {
   PageFetch page = page_in;  // (a local: its count and place stay in registers)
   constexpr int KB = 16 / RB;
   const typename ScoreKind<kKind>::Q* qr[RB];
@@ -186,6 +185,33 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const type
       _mm512_mask_storeu_ps(s + r * lds + k0, KB == 16 ? kc : __mmask16(kc & ((1u << KB) - 1)), row);
     }
   }
+}
+
+// score_block_e with the head dim and the page-ahead fetch as constants
+// where they are the common ones (E of 64 or 128 columns; a fetch of the
+// forms of rows::with_fixed_page): the column loop unrolled and each key's
+// fetches straight-line, not loops over run-time counts. A one-row bfloat16
+// decode spent about 30 instructions a key on the loops' control against 5
+// on its products; against the run-time forms, interleaved in one process
+// (Intel Xeon with AMX, 2 threads, 2k keys, K/V in the caches, with
+// value_block's own): one row of 12 x 64 heads bfloat16 1.27-1.39x, float32
+// 1.05-1.10x; four rows of 12 x 64 heads float32 1.33x, bfloat16 1.11x;
+// four rows of 32 x 8 x 128 heads 0.98-1.06x; from memory, 8k keys,
+// 1.02-1.11x (docs/performance.md, "Decoding with constant head dims").
+template <int kKind, int RB, bool kFetch = false>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const typename ScoreKind<kKind>::Q* q, int64_t E,
+                                                                    const typename ScoreKind<kKind>::K* k, int64_t ldk,
+                                                                    int64_t nc, float* s, int64_t lds,
+                                                                    int64_t n_ahead, const PageFetch& page) {
+  constexpr int64_t kb = sizeof(typename ScoreKind<kKind>::K);
+  auto fixed = [&](auto e) __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) {
+    return E == e && rows::with_fixed_page(page, e * kb, [&](const PageFetch& pg) __attribute__((
+                                                             target("avx512f,avx512bw,avx512vl"), always_inline)) {
+             score_block_e<kKind, RB, kFetch>(q, e, k, ldk, nc, s, lds, n_ahead, pg);
+           });
+  };
+  if (fixed(std::integral_constant<int64_t, 64>{}) || fixed(std::integral_constant<int64_t, 128>{})) return;
+  score_block_e<kKind, RB, kFetch>(q, E, k, ldk, nc, s, lds, n_ahead, page);
 }
 
 // S (R x n, row stride lds) = Q K^T by blocks of 16 keys: four query rows at a
@@ -291,11 +317,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // columns of the first n_ahead rows of the next chunk (kValueKeys rows on)
 // are fetched into L2 (fetch_row_l2) where kFetch (as score_block); `page`,
 // the page-ahead fetch at each key.
-template <int kKind, int RB, int NP, bool kFetch = false>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const float* p, int64_t ldp, int64_t rr,
-                                                                    int64_t nj, const char* v, int64_t ldv_bytes,
-                                                                    int64_t cols, float* o, int64_t ldo,
-                                                                    int64_t n_ahead, const PageFetch& page_in) {
+template <int kKind, int RB, int NP, bool kFetch>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void value_block_e(
+    const float* p, int64_t ldp, int64_t rr, int64_t nj, const char* v, int64_t ldv_bytes, int64_t cols, float* o,
+    int64_t ldo, int64_t n_ahead, const PageFetch& page_in) {
   PageFetch page = page_in;  // (a local: its count and place stay in registers)
   const float* pr[RB];
   for (int r = 0; r < RB; ++r) pr[r] = p + std::min<int64_t>(r, rr - 1) * ldp;
@@ -338,6 +363,21 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const floa
       _mm512_mask_storeu_ps(oc + 16, mh, _mm512_add_ps(_mm512_maskz_loadu_ps(mh, oc + 16), hi));
     }
   }
+}
+
+// value_block_e with the columns and the page-ahead fetch as constants
+// where the rows fill the 32 NP columns (as score_block: about 1.03x of the
+// gains there, one and four rows of 12 x 64 heads)
+template <int kKind, int RB, int NP, bool kFetch = false>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void value_block(const float* p, int64_t ldp, int64_t rr,
+                                                                    int64_t nj, const char* v, int64_t ldv_bytes,
+                                                                    int64_t cols, float* o, int64_t ldo,
+                                                                    int64_t n_ahead, const PageFetch& page) {
+  auto fixed = [&](const PageFetch& pg) __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) {
+    value_block_e<kKind, RB, NP, kFetch>(p, ldp, rr, nj, v, ldv_bytes, 32 * NP, o, ldo, n_ahead, pg);
+  };
+  if (cols == 32 * NP && rows::with_fixed_page(page, 32 * NP * (kKind == 0 ? 4 : 2), fixed)) return;
+  value_block_e<kKind, RB, NP, kFetch>(p, ldp, rr, nj, v, ldv_bytes, cols, o, ldo, n_ahead, page);
 }
 
 // value_block for bfloat16 value rows on AVX512-BF16 (kind 3): P rounded to
