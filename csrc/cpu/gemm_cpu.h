@@ -120,8 +120,9 @@ void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* 
 // exactly 2^0); returns the sum
 float exp2_sub_sum(float* x, int64_t n, float mul, float sub);
 
-// rows_cpu.cpp, for the decode kernel (far_fetch: the far fetch of
-// rows_avx512.h, for calls whose K and V do not stay in the caches):
+// rows_cpu.cpp (the scores) and rows_values_cpu.cpp (P V), for the decode
+// kernel (far_fetch: the far fetch of rows_avx512.h, for calls whose K and V
+// do not stay in the caches):
 // s[r * lds + c] = dot(q row r, key row c) for R query rows (R x E, row-major)
 // and n key rows (row stride ldk)
 void dot_rows(const float* q, int64_t R, int64_t E, const float* k, int64_t ldk, int64_t n, float* s, int64_t lds,

@@ -1,6 +1,6 @@
 // The AVX2 + FMA decode rows (rows_avx2.h): the decode kernel's scores
 // (dot_rows) and P V (acc_rows) for a few query rows, 8 lanes a register, the
-// same arithmetic as the AVX-512 routines of rows_cpu.cpp in the same orders
+// same arithmetic as the AVX-512 routines of rows_cpu.cpp / rows_values_cpu.cpp in the same orders
 // where the lanes allow (16 rows a key/value head: rows_lanes_avx2.cpp; the
 // softmax rows: softmax_avx2.cpp). Before them an AVX2-only CPU ran the
 // decode kernel's scores in scalar C++.

@@ -1,4 +1,4 @@
-// What the AVX-512 row primitives of the decode kernel share (rows_cpu.cpp:
+// What the AVX-512 row primitives of the decode kernel share (rows_cpu.cpp and rows_values_cpu.cpp:
 // a few query rows a pass; rows_lanes_cpu.cpp: 16 float32 query rows, one a
 // vector lane): masks, the L1-sized value chunk, fetches into L2, and the
 // entry points of the one-row-a-lane routines. Empty without MHA_X86.

@@ -1,7 +1,7 @@
 // Float32 decode rows of a 16-row group (R = G L = 16: four query rows of
 // a 4-head GQA group, say), one query row a vector lane (bfloat16 rows on
 // AVX512-BF16 likewise, by pairs of columns or keys), for the decode
-// kernel (forward_cpu.cpp through rows_cpu.cpp). With a row a lane every
+// kernel (forward_cpu.cpp through rows_cpu.cpp and rows_values_cpu.cpp). With a row a lane every
 // lane of every multiply-add is a product that counts: no horizontal sums
 // (score_block spends 30 shuffles on each 16 sums) and no value row read by
 // several passes; Q, P and O are turned into lanes and back by 16 x 16
@@ -318,7 +318,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void value_rows_t(const flo
 
 // O (16 x Ev) += P (16 x n) V (n x Ev) for bfloat16 value rows on
 // AVX512-BF16, two keys an instruction: P rounded to bfloat16 (as
-// value_block_dp in rows_cpu.cpp rounds it) and kept by rows, so that
+// value_block_dp in rows_values_cpu.cpp rounds it) and kept by rows, so that
 // (P[r][j], P[r][j + 1]) is one 32-bit word to broadcast; the pass's 16
 // columns of value rows j and j + 1 widened into the pairs
 // (V[j][c], V[j + 1][c]) once, for the 16 rows' sums in 16 registers, one
