@@ -50,6 +50,27 @@ for (G, L, E, Ev, S) in ((8, 2, 128, 128, 777), (4, 2, 64, 32, 33), (16, 1, 256,
         out = torch.ops.mha_ext.attention(q, k, v, mask, 0.0, causal, None, True)[0]
         ref = R.attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
         torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+# the decode rows' blocks with constant head dims (64, 128) and fetch forms: 1-4 query rows a
+# key/value head (1, 2 and 4 a pass, and 3 = 2 + 1), adjacent rows and rows strided as in a (B, S, H, D)
+# cache, values narrower than the keys; then K/V past 32 MiB (the far fetch) with one and four rows
+for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)):
+    for E, Ev in ((64, 64), (128, 128), (128, 64)):
+        for G, L in ((1, 1), (2, 1), (4, 1), (1, 3)):
+            q = torch.randn(2, 2 * G, L, E).to(dtype)
+            for strided in (False, True):
+                if strided:
+                    k = torch.randn(2, 300, 2, E).to(dtype).transpose(1, 2)
+                    v = torch.randn(2, 300, 2, Ev).to(dtype).transpose(1, 2)
+                else:
+                    k, v = torch.randn(2, 2, 300, E).to(dtype), torch.randn(2, 2, 300, Ev).to(dtype)
+                out = torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, True)[0]
+                ref = R.attention(q, k, v, enable_gqa=True)
+                torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    for G in (1, 4):
+        q = torch.randn(1, 4 * G, 1, 64).to(dtype)
+        k, v = torch.randn(1, 4, 40000, 64).to(dtype), torch.randn(1, 4, 40000, 64).to(dtype)
+        out = torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, True)[0]
+        torch.testing.assert_close(out.double(), R.attention(q, k, v, enable_gqa=True), rtol=tol, atol=tol)
 # masks applied in place on every path: bool and float (-inf, a row of -inf, finfo.min entries)
 # with a row left with no key, on a ragged last column block (37 keys) and on the decode path's rows
 for L, S in ((37, 37), (3, 300)):

@@ -169,26 +169,24 @@ struct PageFetch {
 // f(page) with page's fields as constants the compiler sees, where page is
 // one of the forms a pass of adjacent rows of row_bytes takes (none, the
 // row's own bytes a page on, with the far fetch or without); false otherwise.
-template <typename F>
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline bool with_fixed_page(const PageFetch& page,
-                                                                                               int64_t row_bytes, F&& f) {
-  if (page.block.left != 0 || page.far_ahead != kFarAhead) return false;
-  PageFetch c;
-  if (page.bytes == 0 && page.far_bytes == 0) {
-    f(c);
-    return true;
+// Defined for each instruction set whose routines call it (f is inlined, so
+// the function needs f's target): with_fixed_page for AVX-512, and
+// with_fixed_page_avx2 (rows_avx2.cpp).
+#define MHA_DEFINE_WITH_FIXED_PAGE(NAME, TARGET)                                                           \
+  template <typename F>                                                                                    \
+  __attribute__((target(TARGET), always_inline)) inline bool NAME(const PageFetch& page, int64_t row_bytes, \
+                                                                  F&& f) {                                 \
+    if (page.block.left != 0 || page.far_ahead != kFarAhead) return false;                                 \
+    PageFetch c;                                                                                           \
+    if (page.bytes == 0 && page.far_bytes == 0) return f(c), true;                                         \
+    if (page.bytes != row_bytes || (page.far_bytes != 0 && page.far_bytes != row_bytes)) return false;     \
+    c.bytes = row_bytes;                                                                                   \
+    if (page.far_bytes == 0) return f(c), true;                                                            \
+    c.far_bytes = row_bytes;                                                                               \
+    return f(c), true;                                                                                     \
   }
-  if (page.bytes != row_bytes) return false;
-  c.bytes = row_bytes;
-  if (page.far_bytes == 0) {
-    f(c);
-    return true;
-  }
-  if (page.far_bytes != row_bytes) return false;
-  c.far_bytes = row_bytes;
-  f(c);
-  return true;
-}
+MHA_DEFINE_WITH_FIXED_PAGE(with_fixed_page, "avx512f,avx512bw,avx512vl")
+MHA_DEFINE_WITH_FIXED_PAGE(with_fixed_page_avx2, "avx2,fma,f16c")
 
 // Float32 query rows in groups of 16, one a lane (rows_lanes_cpu.cpp); each
 // returns how many of the R rows it took (a multiple of 16), the caller

@@ -15,6 +15,7 @@
 // the target of the AVX2 + FMA routines (softmax_avx2.cpp, rows_avx2.cpp, rows_lanes_avx2.cpp)
 #define MHA_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define MHA_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+#define MHA_AVX2_LAMBDA __attribute__((target("avx2,fma,f16c"), always_inline))
 
 #include <algorithm>
 #include <cstdint>
