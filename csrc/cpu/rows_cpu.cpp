@@ -195,8 +195,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // (Intel Xeon with AMX, 2 threads, 2k keys, K/V in the caches, with
 // value_block's own): one row of 12 x 64 heads bfloat16 1.27-1.39x, float32
 // 1.05-1.10x; four rows of 12 x 64 heads float32 1.33x, bfloat16 1.11x;
-// four rows of 32 x 8 x 128 heads 0.98-1.06x; from memory, 8k keys,
-// 1.02-1.11x (docs/performance.md, "Decoding with constant head dims").
+// four rows of 8 x 128 heads (a 32-head GQA query) 0.98-1.06x; from memory,
+// 8k keys, 0.99-1.11x (docs/performance.md, "Decoding with constant head dims").
 template <int kKind, int RB, bool kFetch = false>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void score_block(const typename ScoreKind<kKind>::Q* q, int64_t E,
                                                                     const typename ScoreKind<kKind>::K* k, int64_t ldk,
