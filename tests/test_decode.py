@@ -143,3 +143,45 @@ def test_decode_after_a_larger_call_of_nan(dtype, strided):
     for shape in [(1, 8, 2, 1, 700, 64, 64), (2, 4, 4, 3, 257, 16, 24), (8, 16, 8, 2, 300, 32, 24),
                   (4, 16, 16, 16, 40, 32, 32), (1, 32, 8, 4, 1000, 37, 40)]:
         _check(*make(shape, 1))
+
+
+# bfloat16 with 4 to 16 rows a key/value head: on a CPU with AMX both products
+# on the tile unit (amx_cpu.cpp; value rows read in place as B tiles, O's
+# columns in the routine's even / odd order until the item's end), elsewhere
+# the AVX512-BF16, AVX2 or portable rows; every shape against the reference
+TILE_ROW_SHAPES = [
+    (1, 32, 8, 1, 2049, 128, 128),  # 4 rows a group, a ragged last tile of one key
+    (2, 12, 12, 4, 700, 64, 64),    # 4 query rows a head, head dim 64
+    (2, 16, 2, 1, 300, 64, 96),     # 8 rows, 96 value columns (64 + a last 32)
+    (1, 16, 1, 1, 1000, 128, 256),  # 16 rows, 256 value columns, keys split
+    (1, 6, 1, 1, 333, 32, 32),      # 6 rows, head dim 32
+    (3, 32, 8, 4, 257, 128, 160),   # 16 rows, 1 key in the last tile, 160 value columns
+    (1, 8, 1, 2, 40, 256, 64),      # 16 rows, head dim 256 (Q^T's pieces loaded at each step), 40 keys
+]
+
+
+@pytest.mark.parametrize("shape", TILE_ROW_SHAPES, ids=str)
+def test_decode_bfloat16_tile_rows(shape):
+    _check(*_inputs(shape, torch.bfloat16))
+
+
+@pytest.mark.parametrize("column", [0, 5, 31, 32, 63], ids=lambda c: f"column {c}")
+@pytest.mark.parametrize("hq,L", [(32, 1), (32, 4)], ids=["4 rows a group", "16 rows a group"])
+def test_decode_bfloat16_tile_rows_with_an_infinite_value(hq, L, column):
+    # The tile routine pairs each value column with its neighbour (one of them
+    # times zero): an infinite value must stay in its own column, every other
+    # column of every row finite and equal to the reference
+    q, k, v = _inputs((1, hq, 8, L, 600, 128, 64), torch.bfloat16)
+    v[0, 1, 300, column] = float("inf")
+    out = op.attention(q, k, v, None, 0.0, False, None, True)[0]
+    g = hq // 8  # query heads of key/value head 1
+    others = [c for c in range(64) if c != column]
+    assert not out[0, g:2 * g, :, column].isfinite().any()
+    assert out[0, :, :, others].isfinite().all() and out[0, :g].isfinite().all() and out[0, 2 * g:].isfinite().all()
+    v_fin = v.clone()
+    v_fin[0, 1, 300, column] = 0
+    ref = R.attention(q, k, v_fin, None, enable_gqa=True)
+    eager = R.attention(q, k, v_fin, None, enable_gqa=True, compute_dtype=torch.bfloat16)
+    ea = (out[..., others].double() - ref[..., others]).abs().max().item()
+    ee = (eager[..., others].double() - ref[..., others]).abs().max().item()
+    assert ea <= 2 * ee + 1e-3 * ref.abs().max().item(), (ea, ee)

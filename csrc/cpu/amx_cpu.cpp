@@ -25,6 +25,10 @@ namespace cpu {
 #if MHA_AMX
 namespace {
 
+__attribute__((target("avx512f"))) inline __mmask16 rows_lanes(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+}
+
 // The 64-byte tile configuration (palette 1): bytes per row and rows per tile.
 struct TileConfig {
   uint8_t palette = 1;
@@ -147,14 +151,27 @@ __attribute__((target("avx512f,avx512bw"))) void pack_row_pairs(const uint16_t* 
 
 // The decode kernel's products on the tile unit (amx_dot_rows_bf16 and
 // amx_acc_rows_bf16 in gemm_cpu.h). Rows of K and V are read in place, in
-// address order; at each step the bytes kFetchAhead on from its rows are
-// fetched into L1, all at once (spread over the step, or the next step's
-// rows, or into L2 further on, each ran 0.94-0.98x as fast).
-constexpr int64_t kFetchAhead = 4096;
-__attribute__((always_inline)) inline void fetch_ahead(const uint16_t* first, int64_t bytes) {
-  const char* c = reinterpret_cast<const char*>(first) + kFetchAhead;
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-}
+// address order. Adjacent rows (not in a paged pool, whose next rows are
+// another block) fetch the next tile's rows (the same count of rows on from
+// the call's) into L2, a few lines between the tile products over the whole
+// call, so that memory is busy while the tile unit works: against the
+// 4 KiB-ahead fetch into L1 of a step's rows all at once before it,
+// interleaved in one process (Intel Xeon with AMX, 2 threads, bfloat16, 32 x
+// 8 x 128 heads, 4 and 16 rows a key/value head, together with the P V
+// product below): 8k keys from memory 1.16-1.25x, 2k from the caches
+// 1.16-1.33x; 12 x 12 x 64 heads (four query rows) 0.98x and 1.06x.
+struct SpreadFetch {
+  const char* at = nullptr;
+  int64_t left = 0, per = 0;
+  // `bytes` from `first` over `calls` calls
+  SpreadFetch(const void* first, int64_t bytes, int64_t calls) : at(static_cast<const char*>(first)) {
+    left = (bytes + 63) / 64;
+    per = (left + calls - 1) / std::max<int64_t>(calls, 1);
+  }
+  __attribute__((always_inline)) void operator()() {
+    for (int64_t x = 0; x < per && left > 0; ++x, --left, at += 64) _mm_prefetch(at, _MM_HINT_T1);
+  }
+};
 
 // S^T (keys x 16 rows), 32 keys a step into C tiles 0 and 1 from their two
 // halves of 16 key rows (tiles 2 and 3; a ragged last step from a
@@ -176,6 +193,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const u
   alignas(64) float st[32 * 16];
   thread_local std::vector<uint16_t> tail;  // a ragged last step's rows, zero-padded to 32
   const int64_t row_bytes = E * 2;
+  SpreadFetch next(k + n * ldk, fetch && ldk == E ? n * row_bytes : 0, (n + 31) / 32 * ((E + 31) / 32));
   for (int64_t j0 = 0; j0 < n; j0 += 32) {
     const int64_t nk = std::min<int64_t>(32, n - j0);
     const uint16_t* a = k + j0 * ldk;
@@ -185,8 +203,6 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const u
       for (int64_t j = 0; j < nk; ++j) std::memcpy(tail.data() + j * E, a + j * ldk, row_bytes);
       a = tail.data();
       lda = E;
-    } else if (fetch && ldk == E) {
-      fetch_ahead(a, 32 * row_bytes);
     }
     const uint16_t* a1 = a + 16 * lda;
     const int64_t sa = lda * 2;
@@ -200,6 +216,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const u
     _tile_loadd(3, a1 + 32 * i, sa);         \
     _tile_dpbf16ps(0, 2, b);                 \
     _tile_dpbf16ps(1, 3, b);                 \
+    next();                                  \
   }
     MHA_AMX_KEY_PIECE(0, 4)
     MHA_AMX_KEY_PIECE(1, 5)
@@ -213,6 +230,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const u
         _tile_loadd(3, a1 + e, sa);
         _tile_dpbf16ps(0, 2, 4);
         _tile_dpbf16ps(1, 3, 4);
+        next();
       }
     }
     _tile_stored(0, st, 64);
@@ -221,111 +239,135 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const u
   }
 }
 
-// Step j0 of acc_rows_tiles (64 keys from j0): P's two 32-key pieces
-// rounded to bfloat16 into a, V's rows as 32 pair rows into pairs.
-__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void pack_values(
-    const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev, int64_t j0,
-    bool fetch, uint16_t (*a)[16 * 32], uint16_t* pairs) {
-  const int64_t row_bytes = Ev * 2, pair_ld = 2 * Ev;
-  const int64_t nk = std::min<int64_t>(64, n - j0);
-  if (fetch && ldv == Ev && nk == 64) fetch_ahead(v + j0 * ldv, nk * row_bytes);
-  for (int64_t h = 0; h < (nk + 31) / 32; ++h) {
-    const int64_t jb = j0 + 32 * h, nh = std::min<int64_t>(32, n - jb);
-    pack_float_rows(p + jb, ldp, R, nh, 16, 32, a[h]);
-    for (int64_t t = 0; t < 16; ++t) {
-      const uint16_t* va = v + (jb + 2 * t) * ldv;
-      uint16_t* d = pairs + (h * 16 + t) * pair_ld;
-      const bool has_a = 2 * t < nh, has_b = 2 * t + 1 < nh;
-      for (int64_t g = 0; g < Ev; g += 32) {
-        const __m512i x = has_a ? _mm512_loadu_si512(va + g) : _mm512_setzero_si512();
-        const __m512i y = has_b ? _mm512_loadu_si512(va + ldv + g) : _mm512_setzero_si512();
-        _mm512_store_si512(d + 2 * g, _mm512_unpacklo_epi16(x, y));
-        _mm512_store_si512(d + 2 * g + 32, _mm512_unpackhi_epi16(x, y));
+// Tiles 0-3 and 4-5 of R rows (C and A of acc_rows_split), 6-7 of 16 (B).
+__attribute__((target("amx-tile"))) void configure_split_tiles(int64_t R) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(t < 6 ? R : 16);
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// O (R rows in the split order) += P V for n keys, 16 keys a step, with V's
+// rows as they lie in memory as the B tiles: a B tile of 16 value rows x 32
+// columns pairs columns 2c and 2c + 1 of one row where the tile unit pairs
+// two rows. So P enters twice, as an A tile with each bfloat16 in the low half
+// of its 32-bit pair and zero in the high half (giving the even columns), and
+// with the two halves swapped (the odd columns): one buffer of P rounded to
+// bfloat16 and held as floats (low half zero) is the latter, read two bytes
+// on the former. No value row is repacked; the products double. The split
+// order of a 32-column group: its 16 even columns, then its 16 odd ones.
+// A value that is not finite in the zero half's column would make 0 x inf a
+// NaN in its partner column: a step that leaves any accumulator non-finite is
+// redone by plain loops from the O before it (nothing of O is written before
+// the check).
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,avx512vl"))) void acc_rows_split(
+    const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev, float* o,
+    int64_t ldo, bool fetch) {
+  if (n <= 0 || R <= 0) return;
+  const int64_t n16 = (n + 15) / 16 * 16, ldb = n16 + 16;
+  thread_local Buffer<float> p_buf, c_buf;
+  thread_local Buffer<uint16_t> tail;
+  p_buf.resize(R * ldb);
+  c_buf.resize(R * 64);
+  float* pb = p_buf.data();
+  for (int64_t r = 0; r < R; ++r) {
+    float* d = pb + r * ldb;
+    for (int64_t c = 0; c < n16; c += 16) {
+      const __m512 x = _mm512_maskz_loadu_ps(rows_lanes(n - c), p + r * ldp + c);
+      const __m256bh h = _mm512_cvtneps_pbh(x);
+      _mm512_store_si512(d + c, _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
+    }
+    _mm512_store_si512(d + n16, _mm512_setzero_si512());
+  }
+  // a ragged last step's value rows, zero-padded to 16
+  const int64_t n_full = n / 16 * 16;
+  const uint16_t* v_last = v + n_full * ldv;
+  int64_t ldv_last = ldv;
+  if (n_full < n) {
+    tail.assign(16 * Ev, 0);
+    for (int64_t j = n_full; j < n; ++j) std::memcpy(tail.data() + (j - n_full) * Ev, v + j * ldv, Ev * 2);
+    v_last = tail.data();
+    ldv_last = Ev;
+  }
+  configure_split_tiles(R);
+  const int64_t sp = ldb * 4, row_bytes = Ev * 2;
+  float* cs = c_buf.data();
+  SpreadFetch next(v + n * ldv, fetch && ldv == Ev ? n * row_bytes : 0, (Ev + 63) / 64 * (n16 / 16) * 2);
+  for (int64_t g0 = 0; g0 < Ev; g0 += 64) {
+    const bool two = g0 + 64 <= Ev;  // two 32-column groups, else one
+    _tile_loadd(0, o + g0, ldo * 4);
+    _tile_loadd(1, o + g0 + 16, ldo * 4);
+    if (two) {
+      _tile_loadd(2, o + g0 + 32, ldo * 4);
+      _tile_loadd(3, o + g0 + 48, ldo * 4);
+    }
+    for (int64_t j = 0; j < n16; j += 16) {
+      const bool last = j == n_full;
+      const uint16_t* vb = last ? v_last : v + j * ldv;
+      const int64_t sv = (last ? ldv_last : ldv) * 2;
+      next();
+      _tile_loadd(4, pb + j, sp);                                   // P in the high halves: odd columns
+      _tile_loadd(5, reinterpret_cast<const char*>(pb + j) + 2, sp);  // in the low halves: even columns
+      _tile_loadd(6, vb + g0, sv);
+      _tile_dpbf16ps(0, 5, 6);
+      _tile_dpbf16ps(1, 4, 6);
+      next();
+      if (two) {
+        _tile_loadd(7, vb + g0 + 32, sv);
+        _tile_dpbf16ps(2, 5, 7);
+        _tile_dpbf16ps(3, 4, 7);
+      }
+    }
+    _tile_stored(0, cs, 256);
+    _tile_stored(1, cs + 16, 256);
+    if (two) {
+      _tile_stored(2, cs + 32, 256);
+      _tile_stored(3, cs + 48, 256);
+    }
+    const int64_t w = two ? 64 : 32;
+    const __m512i exp_bits = _mm512_set1_epi32(0x7f800000);  // all exponent bits set: inf or NaN
+    __mmask16 bad = 0;
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < w; c += 16)
+        bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_load_si512(cs + r * 64 + c), exp_bits), exp_bits);
+    if (bad == 0) {
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t c = 0; c < w; c += 16) _mm512_storeu_ps(o + r * ldo + g0 + c, _mm512_load_ps(cs + r * 64 + c));
+      continue;
+    }
+    // (not finite somewhere: the columns of this pass by plain loops, in the split order)
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t c = 0; c < w; ++c) {
+        const int64_t col = g0 + c / 32 * 32 + (c % 32 < 16 ? 2 * (c % 16) : 2 * (c % 16) + 1);
+        float acc = o[r * ldo + g0 + c];
+        for (int64_t j = 0; j < n; ++j) {
+          uint32_t bits;
+          std::memcpy(&bits, pb + r * ldb + j, 4);
+          const uint32_t vb = static_cast<uint32_t>(v[j * ldv + col]) << 16;
+          float pv, vv;
+          std::memcpy(&pv, &bits, 4);
+          std::memcpy(&vv, &vb, 4);
+          acc += pv * vv;
+        }
+        o[r * ldo + g0 + c] = acc;
       }
     }
   }
 }
 
-// O (16 rows, in a C buffer) += P V, 64 keys a step: P's rows rounded to
-// bfloat16 (two 32-key A pieces), V's 64 rows as 32 pair rows; the C
-// buffer's 16-column pieces four at a time in tiles 0-3 over the step (A in
-// tile 4, V's pieces in tiles 5-7 in turn), each loaded and stored once a
-// step. Pair rows come from vpunpck{l,h}wd, which interleaves within each
-// 128-bit lane: a 32-column group's "lo" piece holds columns 0-3, 8-11,
-// 16-19, 24-27 and its "hi" piece 4-7, 12-15, 20-23, 28-31, and the C buffer
-// keeps that order (from O and back by a permutation at the call's ends).
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) void acc_rows_tiles(
-    const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev, float* o,
-    int64_t ldo, bool fetch) {
-  configure_tiles();
-  // the C buffer (16 x Ev) and two steps of 32 pair rows (2 Ev each), per thread
-  thread_local Buffer<float> c_buf;
-  thread_local Buffer<uint16_t> pair_buf;
-  c_buf.resize(16 * Ev);
-  pair_buf.resize(2 * 32 * 2 * Ev);
-  float* c = c_buf.data();
-  uint16_t* pairs = pair_buf.data();
-  alignas(64) uint16_t a[2][2][16 * 32];
-  alignas(64) static const int32_t to_lo[16] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  alignas(64) static const int32_t to_hi[16] = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-  alignas(64) static const int32_t from_0[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-  alignas(64) static const int32_t from_1[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
-  const __m512i ilo = _mm512_load_si512(to_lo), ihi = _mm512_load_si512(to_hi);
-  for (int64_t r = 0; r < 16; ++r) {
-    for (int64_t g = 0; g < Ev; g += 32) {
-      __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
-      if (r < R) x0 = _mm512_loadu_ps(o + r * ldo + g), x1 = _mm512_loadu_ps(o + r * ldo + g + 16);
-      _mm512_store_ps(c + r * Ev + g, _mm512_permutex2var_ps(x0, ilo, x1));
-      _mm512_store_ps(c + r * Ev + g + 16, _mm512_permutex2var_ps(x0, ihi, x1));
-    }
-  }
-  const int64_t sc = Ev * 4, pair_ld = 2 * Ev;
-  // step i's P and V pieces into buffer i % 2 (written a step before the
-  // tile unit reads them: a tile load of bytes just stored by vector
-  // stores waited for them, about 15 ns a tile here)
-  const int64_t step_pairs = 32 * pair_ld;  // a step's pair rows
-  pack_values(p, R, n, ldp, v, ldv, Ev, 0, fetch, a[0], pairs);
-  for (int64_t j0 = 0, step = 0; j0 < n; j0 += 64, ++step) {
-    if (j0 + 64 < n)
-      pack_values(p, R, n, ldp, v, ldv, Ev, j0 + 64, fetch, a[(step + 1) % 2], pairs + (step + 1) % 2 * step_pairs);
-    const int64_t pieces = (std::min<int64_t>(64, n - j0) + 31) / 32, buf = step % 2;
-    for (int64_t t = 0; t < Ev; t += 64) {
-      const int64_t nt = std::min<int64_t>(4, (Ev - t) / 16);
-      float* ct = c + t;
-      _tile_loadd(0, ct, sc);
-      if (nt > 1) _tile_loadd(1, ct + 16, sc);
-      if (nt > 2) _tile_loadd(2, ct + 32, sc);
-      if (nt > 3) _tile_loadd(3, ct + 48, sc);
-      for (int64_t h = 0; h < pieces; ++h) {
-        const uint16_t* b = pairs + buf * step_pairs + h * 16 * pair_ld + 2 * t;
-        _tile_loadd(4, a[buf][h], 64);
-        _tile_loadd(5, b, sc);
-        _tile_dpbf16ps(0, 4, 5);
-        if (nt > 1) {
-          _tile_loadd(6, b + 32, sc);
-          _tile_dpbf16ps(1, 4, 6);
-        }
-        if (nt > 2) {
-          _tile_loadd(7, b + 64, sc);
-          _tile_dpbf16ps(2, 4, 7);
-        }
-        if (nt > 3) {
-          _tile_loadd(5, b + 96, sc);
-          _tile_dpbf16ps(3, 4, 5);
-        }
-      }
-      _tile_stored(0, ct, sc);
-      if (nt > 1) _tile_stored(1, ct + 16, sc);
-      if (nt > 2) _tile_stored(2, ct + 32, sc);
-      if (nt > 3) _tile_stored(3, ct + 48, sc);
-    }
-  }
-  const __m512i i0 = _mm512_load_si512(from_0), i1 = _mm512_load_si512(from_1);
+// O's rows from the split order of acc_rows_split back to column order.
+__attribute__((target("avx512f"))) void unsplit_rows(float* o, int64_t R, int64_t Ev, int64_t ldo) {
+  alignas(64) static const int32_t to_0[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+  alignas(64) static const int32_t to_1[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i i0 = _mm512_load_si512(to_0), i1 = _mm512_load_si512(to_1);
   for (int64_t r = 0; r < R; ++r) {
-    for (int64_t g = 0; g < Ev; g += 32) {
-      const __m512 lo = _mm512_load_ps(c + r * Ev + g), hi = _mm512_load_ps(c + r * Ev + g + 16);
-      _mm512_storeu_ps(o + r * ldo + g, _mm512_permutex2var_ps(lo, i0, hi));
-      _mm512_storeu_ps(o + r * ldo + g + 16, _mm512_permutex2var_ps(lo, i1, hi));
+    for (int64_t g = 0; g + 32 <= Ev; g += 32) {
+      float* x = o + r * ldo + g;
+      const __m512 ev = _mm512_loadu_ps(x), od = _mm512_loadu_ps(x + 16);
+      _mm512_storeu_ps(x, _mm512_permutex2var_ps(ev, i0, od));
+      _mm512_storeu_ps(x + 16, _mm512_permutex2var_ps(ev, i1, od));
     }
   }
 }
@@ -380,9 +422,11 @@ bool amx_dot_rows_bf16(const uint16_t* q_pairs, int64_t E, const uint16_t* k, in
 bool amx_acc_rows_bf16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv,
                        int64_t Ev, float* o, int64_t ldo, bool fetch) {
   if (active_isa() != Isa::kAmx || Ev % 32 != 0 || Ev > 256 || R > 16) return false;
-  acc_rows_tiles(p, R, n, ldp, v, ldv, Ev, o, ldo, fetch);
+  acc_rows_split(p, R, n, ldp, v, ldv, Ev, o, ldo, fetch);
   return true;
 }
+
+void amx_unsplit_rows(float* o, int64_t R, int64_t Ev, int64_t ldo) { unsplit_rows(o, R, Ev, ldo); }
 
 #else
 
@@ -399,6 +443,7 @@ bool amx_acc_rows_bf16(const float*, int64_t, int64_t, int64_t, const uint16_t*,
                        bool) {
   return false;
 }
+void amx_unsplit_rows(float*, int64_t, int64_t, int64_t) {}
 
 #endif
 

@@ -53,10 +53,13 @@ constexpr int64_t kDecodeItems = 64;  // enough work items for 64 threads
 constexpr int64_t kGroupBytes = 32 * 1024;
 // bfloat16 rows a key/value head from which the AMX tile routines take the
 // products: against the AVX512-BF16 ones, interleaved (Intel Xeon with AMX,
-// 2 threads, head dims 64 and 128, adjacent rows, 512-32k keys): 8 rows
-// 1.19-1.45x, 12 rows 1.74x, 16 rows 1.44-1.95x; 4 rows 0.89-0.91x (other
-// row counts, head dims and strided or paged rows not timed)
-constexpr int64_t kAmxDecodeRows = 8;
+// 2 threads, head dims 64 and 128, adjacent rows): 4 rows (one query of a
+// GQA group of four, or four query rows of a head) 0.98-1.33x (2k and 8k keys;
+// the 0.98 with four query rows of 12 x 12 x 64 heads from memory);
+// 8 rows 1.19-1.45x, 12 rows 1.74x, 16 rows 1.44-1.95x before the value tiles
+// were read in place (amx_cpu.cpp), which took 16 rows 1.17-1.25x further;
+// one row 0.70-0.77x (other row counts, strided or paged rows not timed)
+constexpr int64_t kAmxDecodeRows = 4;
 // K and V bytes of a call above which they are taken to come from memory
 // (they would not stay in a 32 MiB last-level cache from one call to the
 // next): a (B, S, H, D) cache is read heads-inner, and the row routines add
@@ -246,7 +249,8 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   }
   // bfloat16 on AMX with kAmxDecodeRows rows a head or more: S = Q K^T and
   // O += P V on the tile unit, K and V read in place (cpu::amx_dot_rows_bf16
-  // / amx_acc_rows_bf16; S for 16 rows)
+  // / amx_acc_rows_bf16; S for 16 rows; O in the latter's column order until
+  // the item's end)
   const bool amx_rows = std::is_same_v<scalar_t, c10::BFloat16> && cpu::active_isa() == cpu::Isa::kAmx &&
                         R >= kAmxDecodeRows && E % 32 == 0 && E <= 256 && Ev % 32 == 0 && Ev <= 256 &&
                         p.k_stride.col == 1 && p.v_stride.col == 1;
@@ -363,6 +367,8 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
           cpu::gemm(R, Ev, nc, acc_t(1), s + c0, n, 1, vr, ldv, acc_t(1), o, Ev);
         }
       }
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)  // O from the tile routine's column order
+        if (amx_rows) cpu::amx_unsplit_rows(o, R, Ev, Ev);
       if (direct)
         for (int64_t r = 0; r < R; ++r) finish_row(bk, r, m, l, o, 1, acc.data());
     }

@@ -108,10 +108,14 @@ void amx_pack_query_pairs(const uint16_t* q, int64_t R, int64_t E, uint16_t* dst
 // adjacent rows a page ahead (not in a paged pool)
 bool amx_dot_rows_bf16(const uint16_t* q_pairs, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
                        int64_t lds, bool fetch);
-// o[r * ldo + c] += sum over j < n of bf16(p[r * ldp + j]) v[j * ldv + c] for
-// R rows and Ev columns (P rounded to bfloat16, as the other bfloat16 paths)
+// o[r * ldo + c'] += sum over j < n of bf16(p[r * ldp + j]) v[j * ldv + c] for
+// R rows and Ev columns (P rounded to bfloat16, as the other bfloat16 paths),
+// with O's columns in the split order c' of c: within each 32 columns the 16
+// even ones, then the 16 odd ones. amx_unsplit_rows puts O's R rows back in
+// column order (a zero O is the same in both).
 bool amx_acc_rows_bf16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv,
                        int64_t Ev, float* o, int64_t ldo, bool fetch);
+void amx_unsplit_rows(float* o, int64_t R, int64_t Ev, int64_t ldo);
 
 // dst[c * ldd + r] = src[r * ld + c]: a (rows x cols) tile, transposed (ldd >= rows)
 void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst, int64_t ldd);
