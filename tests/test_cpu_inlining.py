@@ -25,6 +25,7 @@ HELPERS = {
     "sum16": re.compile(r"::sum16\("),
     "PageFetch::operator()": re.compile(r"PageFetch::operator\(\)"),
     "RowFetch<...>::operator()": re.compile(r"RowFetch<[^>]*>::operator\(\)"),
+    "SpreadFetch::operator()": re.compile(r"SpreadFetch::operator\(\)"),  # the AMX decode routines' fetch
     # the block bodies that score_block / value_block take with constant head
     # dims and fetches, and the lambdas that pass them the constants
     "score_block_e / value_block_e": re.compile(r"::(score|value)_block_e<"),
@@ -50,9 +51,11 @@ def test_the_check_finds_an_out_of_line_helper():
     syms = ["void mha_ext::cpu::(anonymous namespace)::score_block<3, 1, false>(...)",
             "mha_ext::cpu::(anonymous namespace)::sum16(float __vector(16) const*)",
             "mha_ext::cpu::rows::RowFetch<3>::operator()()",
+            "mha_ext::cpu::(anonymous namespace)::SpreadFetch::operator()()",
             "void mha_ext::cpu::(anonymous namespace)::value_block_e<1, 1, 2, false>(...)",
             "mha_ext::cpu::(anonymous namespace)::score_block<3, 1, false>(...)::{lambda(auto:1)#1}::operator()(...)"]
-    assert set(out_of_line(syms)) == {"sum16", "RowFetch<...>::operator()", "score_block_e / value_block_e",
+    assert set(out_of_line(syms)) == {"sum16", "RowFetch<...>::operator()", "SpreadFetch::operator()",
+                                      "score_block_e / value_block_e",
                                       "a lambda of score_block / value_block"}
 
 
