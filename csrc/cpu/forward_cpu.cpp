@@ -299,7 +299,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         acc_t* s = s_buf.data();
         bool scored = false;
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // bfloat16 pairs on AMX or AVX512-BF16, then the scale
-          if ((amx_rows && cpu::amx_dot_rows_bf16(q_pairs.data(), E, reinterpret_cast<const uint16_t*>(k_tile),
+          if ((amx_rows && cpu::amx_dot_rows_bf16(q_pairs.data(), R, E, reinterpret_cast<const uint16_t*>(k_tile),
                                                   p.k_stride.row, n, s, n, p.block_table == nullptr)) ||
               (p.k_stride.col == 1 &&
               cpu::dot_rows_bf16(q_bits.data(), R, E, reinterpret_cast<const uint16_t*>(k_tile), p.k_stride.row, n, s,

@@ -106,8 +106,8 @@ void amx_pack_query_pairs(const uint16_t* q, int64_t R, int64_t E, uint16_t* dst
 // s[r * lds + c] = dot(q row r, key row c) for all 16 rows of q_pairs (s has
 // room for 16 rows) and n key rows (bfloat16, row stride ldk). fetch: fetch
 // adjacent rows a page ahead (not in a paged pool)
-bool amx_dot_rows_bf16(const uint16_t* q_pairs, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
-                       int64_t lds, bool fetch);
+bool amx_dot_rows_bf16(const uint16_t* q_pairs, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n,
+                       float* s, int64_t lds, bool fetch);
 // o[r * ldo + c'] += sum over j < n of bf16(p[r * ldp + j]) v[j * ldv + c] for
 // R rows and Ev columns (P rounded to bfloat16, as the other bfloat16 paths),
 // with O's columns in the split order c' of c: within each 32 columns the 16
