@@ -309,9 +309,9 @@ __attribute__((target("amx-tile"))) void configure_split_tiles(int64_t R) {
 // on the former. No value row is repacked; the products double. The split
 // order of a 32-column group: its 16 even columns, then its 16 odd ones.
 // A value that is not finite in the zero half's column would make 0 x inf a
-// NaN in its partner column: a step that leaves any accumulator non-finite is
-// redone by plain loops from the O before it (nothing of O is written before
-// the check).
+// NaN in its partner column: a pass (up to 64 columns over the call's keys)
+// that leaves any accumulator non-finite is redone by plain loops from the O
+// before it (nothing of O is written before the check).
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,avx512vl"))) void acc_rows_split(
     const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev, float* o,
     int64_t ldo, bool fetch) {
