@@ -1,6 +1,7 @@
 // AMX (Advanced Matrix Extensions) bfloat16 tile products for the CPU
 // kernels: see amx_gemm_bf16 in gemm_cpu.h.
 #include "gemm_cpu.h"
+#include "rows_avx512.h"
 
 #include <algorithm>
 #include <cstring>
@@ -24,10 +25,6 @@ namespace cpu {
 
 #if MHA_AMX
 namespace {
-
-__attribute__((target("avx512f"))) inline __mmask16 rows_lanes(int64_t left) {
-  return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-}
 
 // The 64-byte tile configuration (palette 1): bytes per row and rows per tile.
 struct TileConfig {
@@ -219,7 +216,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const u
   thread_local std::vector<uint16_t> tail;  // a ragged last step's rows, zero-padded to 32
   const int64_t row_bytes = E * 2;
   const bool page = fetch && ldk == E && E <= kPageAheadColumns;
-  SpreadFetch next(k + n * ldk, fetch && ldk == E && !page ? n * row_bytes : 0, (n + 31) / 32 * ((E + 31) / 32));
+  const bool spread = fetch && ldk == E && !page;
+  SpreadFetch next(k + n * ldk, spread ? n * row_bytes : 0, (n + 31) / 32 * ((E + 31) / 32));
   alignas(64) static const int32_t pick[4][16] = {{0, 4, 8, 12, 16, 20, 24, 28}, {1, 5, 9, 13, 17, 21, 25, 29},
                                                   {2, 6, 10, 14, 18, 22, 26, 30}, {3, 7, 11, 15, 19, 23, 27, 31}};
   // S's rows from the step's S^T (nk keys from j0): with at most 4 rows, its
@@ -230,7 +228,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const u
       const float* x = st + 64 * h;
       const __m512 z0 = _mm512_load_ps(x), z1 = _mm512_load_ps(x + 16), z2 = _mm512_load_ps(x + 32),
                    z3 = _mm512_load_ps(x + 48);
-      const __mmask16 m = rows_lanes(nk - 16 * h);
+      const __mmask16 m = rows::lanes(nk - 16 * h);
       for (int64_t r = 0; r < R; ++r) {  // keys 0-7 of row r from z0, z1, keys 8-15 from z2, z3
         const __m512i idx = _mm512_load_si512(pick[r]);
         const __m512 t = _mm512_permutex2var_ps(z0, idx, z1), u = _mm512_permutex2var_ps(z2, idx, z3);
@@ -253,7 +251,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const u
     const uint16_t* a1 = a + 16 * lda;
     const int64_t sa = lda * 2;
     // (the spread form: the next step's rows into L1 as well, a quarter at each piece where E = 128)
-    const bool l1 = fetch && ldk == E && !page && j0 + 64 <= n;
+    const bool l1 = spread && j0 + 64 <= n;
     const char* nx = reinterpret_cast<const char*>(k + (j0 + 32) * ldk);
     _tile_zero(0);
     _tile_zero(1);
@@ -325,7 +323,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,avx512vl"))
   for (int64_t r = 0; r < R; ++r) {
     float* d = pb + r * ldb;
     for (int64_t c = 0; c < n16; c += 16) {
-      const __m512 x = _mm512_maskz_loadu_ps(rows_lanes(n - c), p + r * ldp + c);
+      const __m512 x = _mm512_maskz_loadu_ps(rows::lanes(n - c), p + r * ldp + c);
       const __m256bh h = _mm512_cvtneps_pbh(x);
       _mm512_store_si512(d + c, _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
     }

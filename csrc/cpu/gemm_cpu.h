@@ -103,9 +103,9 @@ void amx_pack_row_pairs(const uint16_t* src, int64_t rs, int64_t n, int64_t cols
 // q[0][2t], q[0][2t + 1], q[1][2t], ... for R <= 16 rows of q (R x E), zero
 // for rows R..15 (nothing written for R over 16).
 void amx_pack_query_pairs(const uint16_t* q, int64_t R, int64_t E, uint16_t* dst);
-// s[r * lds + c] = dot(q row r, key row c) for all 16 rows of q_pairs (s has
-// room for 16 rows) and n key rows (bfloat16, row stride ldk). fetch: fetch
-// adjacent rows a page ahead (not in a paged pool)
+// s[r * lds + c] = dot(q row r, key row c) for the R rows of q_pairs (with R
+// over 4 all 16 are written: s has room for 16 rows) and n key rows
+// (bfloat16, row stride ldk). fetch: fetch adjacent rows ahead (not in a paged pool)
 bool amx_dot_rows_bf16(const uint16_t* q_pairs, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n,
                        float* s, int64_t lds, bool fetch);
 // o[r * ldo + c'] += sum over j < n of bf16(p[r * ldp + j]) v[j * ldv + c] for
