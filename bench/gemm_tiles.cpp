@@ -5,7 +5,7 @@
 // MHA_AVX2_MR sets the AVX2 micro-kernel's rows (default 6).
 //
 //   g++ -std=c++17 -O3 bench/gemm_tiles.cpp csrc/cpu/gemm_cpu.cpp csrc/cpu/amx_cpu.cpp
-//       csrc/cpu/softmax_avx2.cpp -o /tmp/gemm_tiles && taskset -c 0 /tmp/gemm_tiles
+//       csrc/cpu/softmax_cpu.cpp csrc/cpu/softmax_avx2.cpp -o /tmp/gemm_tiles && taskset -c 0 /tmp/gemm_tiles
 #include "../csrc/cpu/gemm_cpu.h"
 
 #include <algorithm>

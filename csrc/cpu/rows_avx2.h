@@ -1,7 +1,7 @@
 // The AVX2 + FMA paths of the row primitives, for CPUs without AVX-512 (AMD
 // EPYC before Zen 4, Intel client parts): the softmax's max and exponential,
 // the boolean and float masks (softmax_avx2.cpp), and the decode kernel's
-// scores and P V (rows_avx2.cpp, rows_lanes_avx2.cpp). Each is the AVX-512 routine of gemm_cpu.cpp / rows_cpu.cpp
+// scores and P V (rows_avx2.cpp, rows_lanes_avx2.cpp). Each is the AVX-512 routine of softmax_cpu.cpp / rows_cpu.cpp
 // with 8 lanes a register, called by their dispatchers on Isa::kAvx2; the
 // contracts are gemm_cpu.h's. Also the 2^x polynomial both files use.
 #pragma once

@@ -1,6 +1,6 @@
 // The softmax rows of the AVX2 + FMA path (rows_avx2.h): the row maximum,
 // the exponentials and their sum, the boolean and float masks, 8 lanes a
-// register, the same arithmetic as gemm_cpu.cpp's AVX-512 routines in the
+// register, the same arithmetic as softmax_cpu.cpp's AVX-512 routines in the
 // same orders where the lanes allow. Before them an AVX2-only CPU ran the
 // softmax in scalar C++.
 #include "rows_avx2.h"
@@ -21,7 +21,7 @@ MHA_AVX2_INLINE float hsum(__m256 x) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 +
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
-// 2^x as gemm_cpu.cpp's exp2_scalar and exp2_512: the degree-6 polynomial
+// 2^x as softmax_cpu.cpp's exp2_scalar and exp2_512: the degree-6 polynomial
 // by fused multiply-adds, 2^n put in the exponent bits; 0 below kExp2Lo,
 // NaN through.
 MHA_AVX2_INLINE __m256 exp2_256(__m256 x) {
@@ -45,7 +45,7 @@ MHA_AVX2_INLINE __m256 exp2_256(__m256 x) {
 
 // fl(mul x), kept an instruction of its own: the compiler would otherwise
 // fuse it with the difference that follows (-ffp-contract), and the callers
-// need the product rounded (gemm_cpu.cpp, mul_rounded)
+// need the product rounded (softmax_cpu.cpp, mul_rounded)
 MHA_AVX2_INLINE __m256 mul_rounded(__m256 a, __m256 b) {
   __m256 y = _mm256_mul_ps(a, b);
   asm("" : "+x"(y));
@@ -114,7 +114,7 @@ MHA_AVX2 void mask_bool(float* s, const uint8_t* keep, int64_t n) {
   for (; i < n; ++i) s[i] = keep[i] ? s[i] : -std::numeric_limits<float>::infinity();
 }
 
-// as mask_add_avx512 (gemm_cpu.cpp): unit m clamped to the finite range, an
+// as mask_add_avx512 (softmax_cpu.cpp): unit m clamped to the finite range, an
 // infinite m as it is, NaN through
 MHA_AVX2 void mask_add(float* s, const float* m, int64_t n, float unit) {
   const __m256 u = _mm256_set1_ps(unit), hi = _mm256_set1_ps(std::numeric_limits<float>::max());

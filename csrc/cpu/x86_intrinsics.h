@@ -1,5 +1,5 @@
 // The x86 intrinsics of the SIMD translation units (gemm_cpu.cpp,
-// rows_cpu.cpp, rows_avx2.cpp, ...): MHA_X86 says whether they are there
+// softmax_cpu.cpp, rows_cpu.cpp, rows_avx2.cpp, ...): MHA_X86 says whether they are there
 // (x86-64 with GCC or Clang); elsewhere only the portable paths are built.
 #pragma once
 
