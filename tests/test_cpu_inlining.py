@@ -10,7 +10,8 @@ code (marking the fetch operators always_inline alone inlined it in one build).
 The same holds for the block bodies that the score and value routines take
 with constant head dims (score_block_e, value_block_e) and for the lambdas
 that pass the constants. They are marked always_inline; this reads the libraries' symbol tables,
-where an out-of-line copy would show."""
+where an out-of-line copy would show. Also: the AMX routines load tiles and
+their configuration through forms that declare the memory they read."""
 import pathlib
 import platform
 import re
@@ -71,3 +72,27 @@ def test_decode_helpers_are_inlined(path):
     # the routines that call them are in the table (not a stripped library)
     assert any("score_block<" in s for s in syms), f"no score_block symbol in {path}: is it stripped?"
     assert out_of_line(syms) == {}
+
+
+# GCC's AMX intrinsics declare less memory than the instructions touch
+# (_tile_loadconfig: 8 of the configuration's 64 bytes, so the stores of its
+# shapes may be dropped; _tile_loadd: none, so stores to the rows it reads may
+# move past it). csrc/cpu/amx_cpu.cpp has its own forms that declare them.
+UNDERDECLARED = re.compile(r"\b_tile_(loadconfig|loadd|stream_loadd)\s*\(")
+
+
+def code_lines(text):
+    """The lines of a C++ source without its // comments."""
+    return [line.split("//", 1)[0] for line in text.splitlines()]
+
+
+def test_the_check_finds_an_underdeclared_tile_intrinsic():
+    src = "  _tile_loadconfig(&cfg);  // shapes\n  // _tile_loadd(2, a, 64) in a comment\n  _tile_loadd(4, q, 64);\n"
+    assert [m.group(1) for line in code_lines(src) for m in UNDERDECLARED.finditer(line)] == ["loadconfig", "loadd"]
+
+
+def test_amx_routines_declare_the_memory_their_tile_instructions_touch():
+    path = pathlib.Path(__file__).resolve().parent.parent / "csrc" / "cpu" / "amx_cpu.cpp"
+    bad = [f"{path.name}:{i}: {line.strip()}" for i, line in enumerate(code_lines(path.read_text()), 1)
+           if UNDERDECLARED.search(line)]
+    assert bad == [], "tile loads / configuration through GCC's intrinsics, not MHA_TILE_LOAD / load_config:\n" + "\n".join(bad)

@@ -35,6 +35,19 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
+// GCC's intrinsics (12 here) declare less memory than the tile instructions
+// touch: _tile_loadconfig's operand is the first 8 bytes of the 64-byte
+// configuration, so the stores of its shapes may be dropped as dead (a
+// one-thread driver that inlined configure_split_tiles faulted on ldtilecfg
+// with garbage shapes), and _tile_loadd has no memory operand at all, so
+// stores to the rows it reads (a zero-padded tail, P rounded to bfloat16) may
+// be moved past it. Hence these two forms: the whole configuration as the
+// operand, and tile loads that read memory as far as the compiler knows
+// (tests/test_cpu_inlining.py fails on the intrinsics' forms in this file).
+inline void load_config(const TileConfig& cfg) { asm volatile("ldtilecfg %0" : : "m"(cfg)); }
+#define MHA_TILE_LOAD(tile, base, stride) \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #tile : : "r"(static_cast<const void*>(base)), "r"(static_cast<long>(stride)) : "memory")
+
 // Every tile 16 rows x 64 bytes: C 16 x 16 float, A 16 rows x 32 bf16, B 16
 // pair rows x 16 columns (which tile holds which: each routine's comment).
 __attribute__((target("amx-tile"))) void configure_tiles() {
@@ -43,7 +56,7 @@ __attribute__((target("amx-tile"))) void configure_tiles() {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  load_config(cfg);
 }
 
 // 32 x 32 blocks of C, four C tiles each: every A and B tile loaded serves
@@ -57,10 +70,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm_tiles(int64_t M, int64_t 
     for (int64_t n = 0; n < N; n += 32) {
       float* c00 = c + m * ldc + n;
       if (accumulate) {
-        _tile_loadd(0, c00, sc);
-        _tile_loadd(1, c00 + 16, sc);
-        _tile_loadd(2, c00 + 16 * ldc, sc);
-        _tile_loadd(3, c00 + 16 * ldc + 16, sc);
+        MHA_TILE_LOAD(0, c00, sc);
+        MHA_TILE_LOAD(1, c00 + 16, sc);
+        MHA_TILE_LOAD(2, c00 + 16 * ldc, sc);
+        MHA_TILE_LOAD(3, c00 + 16 * ldc + 16, sc);
       } else {
         _tile_zero(0);
         _tile_zero(1);
@@ -68,10 +81,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm_tiles(int64_t M, int64_t 
         _tile_zero(3);
       }
       for (int64_t k = 0; k < K; k += 32) {
-        _tile_loadd(4, a + m * lda + k, sa);
-        _tile_loadd(5, a + (m + 16) * lda + k, sa);
-        _tile_loadd(6, b + (k / 2) * ldb + 2 * n, sb);
-        _tile_loadd(7, b + (k / 2) * ldb + 2 * (n + 16), sb);
+        MHA_TILE_LOAD(4, a + m * lda + k, sa);
+        MHA_TILE_LOAD(5, a + (m + 16) * lda + k, sa);
+        MHA_TILE_LOAD(6, b + (k / 2) * ldb + 2 * n, sb);
+        MHA_TILE_LOAD(7, b + (k / 2) * ldb + 2 * (n + 16), sb);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
@@ -189,7 +202,7 @@ __attribute__((target("amx-tile"))) void configure_narrow_tiles() {
     cfg.rows[t] = 16;
     cfg.colsb[t] = t == 2 || t == 3 ? 64 : 16;
   }
-  _tile_loadconfig(&cfg);
+  load_config(cfg);
 }
 
 // S^T (keys x 16 rows, or 4 rows where R <= 4), 32 keys a step into C tiles 0
@@ -207,10 +220,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const u
   if (narrow) configure_narrow_tiles(); else configure_tiles();
   const bool resident = E <= 128;  // Q^T's pieces in tiles 4-7 for the call
   if (resident) {
-    _tile_loadd(4, q_pairs, 64);
-    if (E > 32) _tile_loadd(5, q_pairs + 512, 64);
-    if (E > 64) _tile_loadd(6, q_pairs + 1024, 64);
-    if (E > 96) _tile_loadd(7, q_pairs + 1536, 64);
+    MHA_TILE_LOAD(4, q_pairs, 64);
+    if (E > 32) MHA_TILE_LOAD(5, q_pairs + 512, 64);
+    if (E > 64) MHA_TILE_LOAD(6, q_pairs + 1024, 64);
+    if (E > 96) MHA_TILE_LOAD(7, q_pairs + 1536, 64);
   }
   alignas(64) float st[32 * 16];
   thread_local std::vector<uint16_t> tail;  // a ragged last step's rows, zero-padded to 32
@@ -259,8 +272,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const u
     // the tile intrinsics take the number as written)
 #define MHA_AMX_KEY_PIECE(i, b)              \
   if (resident && E > 32 * i) {              \
-    _tile_loadd(2, a + 32 * i, sa);          \
-    _tile_loadd(3, a1 + 32 * i, sa);         \
+    MHA_TILE_LOAD(2, a + 32 * i, sa);          \
+    MHA_TILE_LOAD(3, a1 + 32 * i, sa);         \
     _tile_dpbf16ps(0, 2, b);                 \
     _tile_dpbf16ps(1, 3, b);                 \
     next();                                  \
@@ -273,9 +286,9 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const u
 #undef MHA_AMX_KEY_PIECE
     if (!resident) {
       for (int64_t e = 0; e < E; e += 32) {
-        _tile_loadd(4, q_pairs + e * 16, 64);
-        _tile_loadd(2, a + e, sa);
-        _tile_loadd(3, a1 + e, sa);
+        MHA_TILE_LOAD(4, q_pairs + e * 16, 64);
+        MHA_TILE_LOAD(2, a + e, sa);
+        MHA_TILE_LOAD(3, a1 + e, sa);
         _tile_dpbf16ps(0, 2, 4);
         _tile_dpbf16ps(1, 3, 4);
         next();
@@ -294,7 +307,7 @@ __attribute__((target("amx-tile"))) void configure_split_tiles(int64_t R) {
     cfg.rows[t] = static_cast<uint8_t>(t < 6 ? R : 16);
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  load_config(cfg);
 }
 
 // O (R rows in the split order) += P V for n keys, 16 keys a step, with V's
@@ -347,11 +360,11 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,avx512vl"))
   SpreadFetch next(v + n * ldv, spread ? n * row_bytes : 0, (Ev + 63) / 64 * (n16 / 16) * 2);
   for (int64_t g0 = 0; g0 < Ev; g0 += 64) {
     const bool two = g0 + 64 <= Ev;  // two 32-column groups, else one
-    _tile_loadd(0, o + g0, ldo * 4);
-    _tile_loadd(1, o + g0 + 16, ldo * 4);
+    MHA_TILE_LOAD(0, o + g0, ldo * 4);
+    MHA_TILE_LOAD(1, o + g0 + 16, ldo * 4);
     if (two) {
-      _tile_loadd(2, o + g0 + 32, ldo * 4);
-      _tile_loadd(3, o + g0 + 48, ldo * 4);
+      MHA_TILE_LOAD(2, o + g0 + 32, ldo * 4);
+      MHA_TILE_LOAD(3, o + g0 + 48, ldo * 4);
     }
     for (int64_t j = 0; j < n16; j += 16) {
       const bool last = j == n_full;
@@ -366,14 +379,14 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,avx512vl"))
         }
       }
       next();
-      _tile_loadd(4, pb + j, sp);                                   // P in the high halves: odd columns
-      _tile_loadd(5, reinterpret_cast<const char*>(pb + j) + 2, sp);  // in the low halves: even columns
-      _tile_loadd(6, vb + g0, sv);
+      MHA_TILE_LOAD(4, pb + j, sp);                                   // P in the high halves: odd columns
+      MHA_TILE_LOAD(5, reinterpret_cast<const char*>(pb + j) + 2, sp);  // in the low halves: even columns
+      MHA_TILE_LOAD(6, vb + g0, sv);
       _tile_dpbf16ps(0, 5, 6);
       _tile_dpbf16ps(1, 4, 6);
       next();
       if (two) {
-        _tile_loadd(7, vb + g0 + 32, sv);
+        MHA_TILE_LOAD(7, vb + g0 + 32, sv);
         _tile_dpbf16ps(2, 5, 7);
         _tile_dpbf16ps(3, 4, 7);
       }
