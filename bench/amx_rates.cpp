@@ -1,10 +1,10 @@
 // This CPU's rate, on one core, of the tile-unit steps the AMX decode
 // routines (csrc/cpu/amx_cpu.cpp) are made of, each variant timed in turn in
-// rounds and reported as the median of its rounds (this VM's speed moves by
-// 2x within seconds): O += P V's inner loop of acc_rows_split (16 keys a
-// step, a value tile of 16 rows x 64 bytes at the row stride of 128 bfloat16
-// columns, P as two A tiles, four tdpbf16ps) with the value rows in L1-sized
-// and L2-sized buffers, and the same loop without its value loads, without
+// rounds and reported as the median of its rounds (this VM's tile unit moves
+// by up to 4x from run to run): O += P V's inner loop of acc_rows_split (16
+// keys a step, a value tile of 16 rows x 64 bytes at the row stride of 128
+// bfloat16 columns, P as two A tiles, four tdpbf16ps) with the value rows
+// 64-byte aligned (as torch allocates tensors) in L1-sized and L2-sized buffers, and the same loop without its value loads, without
 // its products, with the value loads alone; and a plain AVX-512 read of the
 // same bytes. ns a key = the loop's time over the keys it covers (both
 // 64-column passes of 128 columns). Not part of the build:
@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 namespace {
@@ -102,7 +103,9 @@ int main() {
     }
     load_config(cfg);
     for (int64_t keys : {128, 2048}) {  // 32 KiB of value rows (L1) and 512 KiB (L2)
-      const std::vector<uint16_t> v(keys * kCols, 0x3c00);
+      // 64-byte aligned, as torch allocates tensors (rows 2 bytes off would cross lines)
+      uint16_t* v = static_cast<uint16_t*>(std::aligned_alloc(64, keys * kCols * 2));
+      std::fill(v, v + keys * kCols, uint16_t(0x3c00));
       struct Variant {
         const char* name;
         void (*f)(const uint16_t*, int64_t);
@@ -116,7 +119,7 @@ int main() {
       for (int round = 0; round < 21; ++round)
         for (int i = 0; i < 5; ++i) {
           const auto t0 = std::chrono::steady_clock::now();
-          for (int64_t r = 0; r < reps; ++r) variants[i].f(v.data(), keys);
+          for (int64_t r = 0; r < reps; ++r) variants[i].f(v, keys);
           t[i].push_back(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() /
                          (double(reps) * keys));
         }
@@ -127,6 +130,7 @@ int main() {
                     static_cast<long long>(keys * kCols * 2 / 1024), variants[i].name, ns,
                     kCols * 2 / ns);
       }
+      std::free(v);
     }
   }
   _tile_stored(0, c_out, 64);
