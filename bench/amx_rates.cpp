@@ -4,10 +4,11 @@
 // by up to 4x from run to run): O += P V's inner loop of acc_rows_split (16
 // keys a step, a value tile of 16 rows x 64 bytes at the row stride of 128
 // bfloat16 columns, P as two A tiles, four tdpbf16ps) with the value rows
-// 64-byte aligned (as torch allocates tensors) in L1-sized and L2-sized buffers, and the same loop without its value loads, without
-// its products, with the value loads alone; and a plain AVX-512 read of the
-// same bytes. ns a key = the loop's time over the keys it covers (both
-// 64-column passes of 128 columns). Not part of the build:
+// 64-byte aligned (as torch allocates tensors) in L1-sized and L2-sized
+// buffers, and the same loop without its value loads, without its products,
+// with the value loads alone; and a plain AVX-512 read of the same bytes.
+// ns a key = the loop's time over the keys it covers (both 64-column passes
+// of 128 columns). Not part of the build:
 //
 //     g++ -O2 -o /tmp/amx_rates bench/amx_rates.cpp && /tmp/amx_rates
 #include <cpuid.h>
