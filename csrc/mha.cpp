@@ -78,7 +78,7 @@ TORCH_LIBRARY(mha_ext, m) {
   // paths and tests; the fused ops never materialise it.
   m.def("dropout_mask(Tensor rng_state, int[] shape, float dropout_p) -> Tensor");
 
-  // The instruction set the CPU kernels use in this process: "avx512", "avx2"
-  // or "generic" (the best the CPU has, or lower if MHA_EXT_CPU_ISA says so).
+  // The instruction set the CPU kernels use in this process: "amx", "avx512",
+  // "avx2" or "generic" (the best the CPU has, or lower if MHA_EXT_CPU_ISA says so).
   m.def("cpu_isa() -> str");
 }

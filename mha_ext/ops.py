@@ -379,9 +379,10 @@ torch.library.register_autograd("mha_ext::attention_backward", _double_backward)
 
 
 def cpu_isa() -> str:
-    """The instruction set of the CPU kernels in this process: "avx512", "avx2"
-    or "generic". MHA_EXT_CPU_ISA=generic|avx2 (set before the first call)
-    forces a lower one."""
+    """The instruction set of the CPU kernels in this process: "amx" (AVX-512
+    with the AMX tile unit for bfloat16), "avx512", "avx2" or "generic".
+    MHA_EXT_CPU_ISA=generic|avx2|avx512 (set before the first call) forces a
+    lower one."""
     return torch.ops.mha_ext.cpu_isa()
 
 

@@ -499,6 +499,14 @@ bool amx_acc_rows_bf16(const float* p, int64_t R, int64_t n, int64_t ldp, const 
 
 void amx_unsplit_rows(float* o, int64_t R, int64_t Ev, int64_t ldo) { unsplit_rows(o, R, Ev, ldo); }
 
+namespace {
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+}  // namespace
+
+void amx_release() {
+  if (amx_bf16_usable()) release_tiles();
+}
+
 #else
 
 bool amx_bf16_usable() { return false; }
@@ -516,6 +524,7 @@ bool amx_acc_rows_bf16(const float*, int64_t, int64_t, int64_t, const uint16_t*,
   return false;
 }
 void amx_unsplit_rows(float*, int64_t, int64_t, int64_t) {}
+void amx_release() {}
 
 #endif
 

@@ -221,6 +221,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   };
 
   at::parallel_for(0, p.batch * (H / group), 1, [&](int64_t begin, int64_t end) {
+    const cpu::ReleaseTiles release{amx};  // (the tile unit's state, given back at the task's end)
     std::vector<Head> heads(group);
     for (Head& hd : heads) {
       // (on AMX the products read AmxBwdBuffers; dO is still read as acc_t for D)

@@ -256,6 +256,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
                         p.k_stride.col == 1 && p.v_stride.col == 1;
   std::atomic<int64_t> claimed{0};
   at::parallel_for(0, claim ? at::get_num_threads() : items, claim ? 1 : grain, [&](int64_t begin, int64_t end) {
+    const cpu::ReleaseTiles release{amx_rows};  // (the tile unit's state, given back at the task's end)
     thread_local DecodeScratch<acc_t> sc;  // (each thread's own; they never run two items at once)
     sc.reserve(R * E, (amx_rows ? kDecodeRows : R) * kBlockN, amx_rows ? E * 16 : 0, direct ? R * Ev : 0,
                direct ? R : 0, direct ? Ev : 0, std::is_same_v<scalar_t, c10::BFloat16> ? R * E : 0,
@@ -443,6 +444,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   // (1.07 -> 0.87-0.91 at S = 4096).
   const bool row_dots = !amx && L <= kRowDotRows && G == 1;
   at::parallel_for(0, p.batch * H * n_chunks, 1, [&](int64_t begin, int64_t end) {
+    const cpu::ReleaseTiles release{amx};  // (the tile unit's state, given back at the task's end)
     Buffer<acc_t> q_buf(amx ? 0 : kChunkM * E), kt_head(amx || row_dots ? 0 : E * ldkt),
         v_buf(amx ? 0 : kBlockN * Ev), k_rows(row_dots ? kBlockN * E : 0);
     Buffer<acc_t> s_buf(kBlockM * kBlockN), o_acc(kChunkM * ldo), row_max(kChunkM),

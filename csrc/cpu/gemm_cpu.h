@@ -116,6 +116,19 @@ bool amx_dot_rows_bf16(const uint16_t* q_pairs, int64_t R, int64_t E, const uint
 bool amx_acc_rows_bf16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv,
                        int64_t Ev, float* o, int64_t ldo, bool fetch);
 void amx_unsplit_rows(float* o, int64_t R, int64_t Ev, int64_t ldo);
+// The calling thread's tile registers back to their initial state
+// (tilerelease) where this process uses AMX. Each parallel task of the
+// kernels that used the tile unit ends with it (ReleaseTiles), as torch's own
+// AMX kernels release theirs (cpublas::brgemm_release), so that no thread
+// keeps tile state from one call to the next (Linux saves and restores that
+// state, 8 KiB, at each of the thread's context switches while it is held).
+void amx_release();
+struct ReleaseTiles {  // amx_release() at the end of a scope that used the tile unit
+  bool used;
+  ~ReleaseTiles() {
+    if (used) amx_release();
+  }
+};
 
 // dst[c * ldd + r] = src[r * ld + c]: a (rows x cols) tile, transposed (ldd >= rows)
 void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst, int64_t ldd);
