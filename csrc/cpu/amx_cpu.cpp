@@ -270,13 +270,13 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void dot_rows_tiles(const u
     _tile_zero(1);
     // piece i of E's 32-column pieces against Q^T's piece in tile b (4 + i;
     // the tile intrinsics take the number as written)
-#define MHA_AMX_KEY_PIECE(i, b)              \
-  if (resident && E > 32 * i) {              \
-    MHA_TILE_LOAD(2, a + 32 * i, sa);          \
-    MHA_TILE_LOAD(3, a1 + 32 * i, sa);         \
-    _tile_dpbf16ps(0, 2, b);                 \
-    _tile_dpbf16ps(1, 3, b);                 \
-    next();                                  \
+#define MHA_AMX_KEY_PIECE(i, b)        \
+  if (resident && E > 32 * i) {        \
+    MHA_TILE_LOAD(2, a + 32 * i, sa);  \
+    MHA_TILE_LOAD(3, a1 + 32 * i, sa); \
+    _tile_dpbf16ps(0, 2, b);           \
+    _tile_dpbf16ps(1, 3, b);           \
+    next();                            \
     if (l1) for (int x = 0; x < 32; ++x) _mm_prefetch(nx + (32 * i + x) * 64, _MM_HINT_T0); \
   }
     MHA_AMX_KEY_PIECE(0, 4)
