@@ -9,8 +9,8 @@
 
 The `backend` fixture gives each in turn; `references` and the assertions
 hold a result to the float64 reference, the CPU backend and eager PyTorch.
-Used by test_cuda_emul.py, test_cuda_emul_decode.py and the emulated cases
-of the other test files."""
+Used by test_cuda_emul.py, test_cuda_emul_decode.py, test_cuda_emul_settings.py
+and the emulated cases of the other test files."""
 import glob
 import hashlib
 import os
@@ -170,3 +170,20 @@ def assert_all_like_cpu(ours, cpu, refs, dtype):
             assert_like_cpu(a, c, r, e, dtype)
     else:
         assert_like_cpu(ours, cpu, ref_out, eager_out, dtype)
+
+
+def run_backward(ops, q, k, v, out, lse, go, mask=None, dropout_p=0.0, is_causal=False, scale=None, gqa=False,
+              rng=NO_RNG, mask_grad=False):
+    return ops.attention_backward(go, q, k, v, out, lse, mask, dropout_p, is_causal, scale, gqa, rng, mask_grad)
+
+
+def assert_near_reference(ours, ref, eager, dtype):
+    """float64 / float32 against the float64 reference (1e-10 / 2e-5 relative
+    to the largest reference value); half / bfloat16 within twice plain eager
+    PyTorch's error in that dtype."""
+    for a, r, e in zip(ours, ref, eager):
+        if dtype in (torch.float64, torch.float32):
+            tol = 1e-10 if dtype == torch.float64 else 2e-5
+            torch.testing.assert_close(a.double(), r.double(), rtol=tol, atol=tol * max(1.0, r.abs().max().item()))
+        else:
+            assert _err(a, r) <= 2.0 * _err(e, r) + 1e-3 * r.abs().max().item(), (_err(a, r), _err(e, r))

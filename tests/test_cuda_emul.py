@@ -9,8 +9,9 @@ must agree bit for bit. Each test runs on two backends:
   documented mma.sync m16n8k16 register layout) as torch.ops.mha_ext_emul.*;
 - cuda: the real CUDA kernels on a GPU (skipped without one).
 
-Key splits and the decode kernel: test_cuda_emul_decode.py; the backends and
-the assertions: cuda_backends.py."""
+Key splits and the decode kernel: test_cuda_emul_decode.py; the run-time
+kernel settings (operand loads, float32 math, forward rows):
+test_cuda_emul_settings.py; the backends and the assertions: cuda_backends.py."""
 import glob
 import os
 import subprocess
@@ -22,7 +23,7 @@ import torch
 import mha_ext  # noqa: F401  (registers torch.ops.mha_ext)
 import reference as R
 from cuda_backends import (DTYPES, NO_RNG, ROOT, SHAPES, OnCuda, _err, assert_all_like_cpu,  # noqa: F401
-                           backend, forward_block, make, references)
+                           assert_near_reference, backend, forward_block, make, references, run_backward)
 from cxx_runtime import hostile_toolchain, insert_long_kinds
 
 
@@ -75,11 +76,6 @@ def test_emul_query_tile_layouts(backend, layout):
     torch.testing.assert_close(lse, cpu_lse, rtol=1e-5, atol=1e-5)
 
 
-def _backward(ops, q, k, v, out, lse, go, mask=None, dropout_p=0.0, is_causal=False, scale=None, gqa=False,
-              rng=NO_RNG, mask_grad=False):
-    return ops.attention_backward(go, q, k, v, out, lse, mask, dropout_p, is_causal, scale, gqa, rng, mask_grad)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -89,11 +85,11 @@ def test_emul_backward_matches_cpu(backend, dtype, shape, is_causal, determinist
     gqa = shape[1] != shape[2]
     out, lse, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.0, is_causal, None, gqa)
     go = torch.randn_like(out)
-    cpu = _backward(torch.ops.mha_ext, q, k, v, out, lse, go, is_causal=is_causal, gqa=gqa)
+    cpu = run_backward(torch.ops.mha_ext, q, k, v, out, lse, go, is_causal=is_causal, gqa=gqa)
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:
-        ours = _backward(backend, q, k, v, out, lse, go, is_causal=is_causal, gqa=gqa)
+        ours = run_backward(backend, q, k, v, out, lse, go, is_causal=is_causal, gqa=gqa)
     finally:
         torch.use_deterministic_algorithms(before)
     assert_all_like_cpu(ours[:3], cpu[:3], references(q, k, v, go, is_causal=is_causal, enable_gqa=gqa), dtype)
@@ -125,8 +121,8 @@ def test_emul_masks_and_mask_grad(backend, dtype, mask_name, is_causal):
     assert_all_like_cpu(out, cpu_out, references(q, k, v, mask=mask, is_causal=is_causal, scale=0.3), dtype)
     torch.testing.assert_close(lse, cpu_lse, rtol=1e-5, atol=1e-5)
     go = torch.randn_like(out)
-    ours = _backward(backend, q, k, v, cpu_out, cpu_lse, go, mask, is_causal=is_causal, scale=0.3, mask_grad=want_grad)
-    cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, mask, is_causal=is_causal, scale=0.3,
+    ours = run_backward(backend, q, k, v, cpu_out, cpu_lse, go, mask, is_causal=is_causal, scale=0.3, mask_grad=want_grad)
+    cpu = run_backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, mask, is_causal=is_causal, scale=0.3,
                     mask_grad=want_grad)
     refs = references(q, k, v, go, mask=mask, is_causal=is_causal, scale=0.3)
     assert_all_like_cpu(ours if want_grad else ours[:3], cpu if want_grad else cpu[:3], refs, dtype)
@@ -159,8 +155,8 @@ def test_emul_dropout_without_rng_state_draws_one(backend):
     cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.25, False, None, False, rng.cpu())
     torch.testing.assert_close(out, cpu_out, rtol=1e-12, atol=1e-12)
     go = torch.randn_like(out)
-    ours = _backward(backend, q, k, v, out, lse, go, None, 0.25, rng=rng)
-    cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, None, 0.25, rng=rng.cpu())
+    ours = run_backward(backend, q, k, v, out, lse, go, None, 0.25, rng=rng)
+    cpu = run_backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, None, 0.25, rng=rng.cpu())
     for a, c in zip(ours[:3], cpu[:3]):
         torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
 
@@ -187,8 +183,8 @@ def test_emul_dropout_forward_and_backward_match_cpu(backend, dtype):
     kw = dict(is_causal=True, enable_gqa=True, keep=keep, dropout_p=0.2)
     assert_all_like_cpu(out, cpu_out, references(q, k, v, **kw), dtype)
     go = torch.randn_like(out)
-    ours = _backward(backend, q, k, v, cpu_out, cpu_lse, go, None, 0.2, True, None, True, rng)
-    cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, None, 0.2, True, None, True, rng)
+    ours = run_backward(backend, q, k, v, cpu_out, cpu_lse, go, None, 0.2, True, None, True, rng)
+    cpu = run_backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, None, 0.2, True, None, True, rng)
     assert_all_like_cpu(ours[:3], cpu[:3], references(q, k, v, go, **kw), dtype)
 
 
@@ -202,7 +198,7 @@ def test_emul_dropout_frame_matches_reference(backend):
     ref = R.attention(*xs, enable_gqa=True, keep=keep, dropout_p=0.2)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     go = torch.randn_like(out)
-    ours = _backward(backend, q, k, v, out, lse, go, None, 0.2, False, None, True, rng)
+    ours = run_backward(backend, q, k, v, out, lse, go, None, 0.2, False, None, True, rng)
     for a, b in zip(ours[:3], torch.autograd.grad(ref, xs, go)):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
@@ -217,8 +213,8 @@ def test_emul_strided_and_batched_inputs(backend):
     torch.testing.assert_close(out, cpu_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, cpu_lse, rtol=1e-12, atol=1e-12)
     go = torch.randn_like(out).transpose(-2, -1).contiguous().transpose(-2, -1)
-    ours = _backward(backend, q, k, v, out, lse, go)
-    cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go)
+    ours = run_backward(backend, q, k, v, out, lse, go)
+    cpu = run_backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go)
     for a, c in zip(ours[:3], cpu[:3]):
         torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
 
@@ -254,8 +250,8 @@ def test_emul_hostile_inputs(backend, dtype, fp32, monkeypatch):
     else:
         assert _err(out[fin], ref_out[fin]) <= 2.0 * max(_err(cpu_out[fin], ref_out[fin]), _err(eager_out[fin], ref_out[fin])) + 1e-6
     o2, l2, _ = torch.ops.mha_ext.attention(q_ok, k, v, mask)
-    ours = _backward(backend, q_ok, k, v, o2, l2, go, mask)
-    cpu = _backward(torch.ops.mha_ext, q_ok, k, v, o2, l2, go, mask)
+    ours = run_backward(backend, q_ok, k, v, o2, l2, go, mask)
+    cpu = run_backward(torch.ops.mha_ext, q_ok, k, v, o2, l2, go, mask)
     assert torch.equal(ours[0][:, :, 4], torch.zeros_like(ours[0][:, :, 4]))
     for a, c, r, e in zip(ours[:3], cpu[:3], ref_grads, eager_grads):
         assert torch.isfinite(a).all()
@@ -274,8 +270,8 @@ def test_emul_empty_inputs(backend, sizes):
     cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v)
     assert torch.equal(out, cpu_out) and torch.equal(lse, cpu_lse)
     go = torch.randn_like(out)
-    ours = _backward(backend, q, k, v, out, lse, go)
-    cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go)
+    ours = run_backward(backend, q, k, v, out, lse, go)
+    cpu = run_backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go)
     for a, c in zip(ours[:3], cpu[:3]):
         assert torch.equal(a, c)
 
@@ -354,7 +350,7 @@ def test_emul_fma_scores_split_equal_keys_at_every_magnitude(backend, dtype, is_
     torch.testing.assert_close(lse.double(), ref_lse.reshape(lse.shape), rtol=2e-6, atol=1e-6)
     go = torch.zeros_like(out)
     go[0, 0, rows] = torch.randn(len(rows), E, generator=g).to(dtype)
-    dv = _backward(backend, q, k, v, out, lse, go, is_causal=is_causal)[2]
+    dv = run_backward(backend, q, k, v, out, lse, go, is_causal=is_causal)[2]
     half = go[0, 0, rows].double().sum(0) / 2
     for j in (10, 150):
         err = (dv[0, 0, j].double() - half).abs()
@@ -415,7 +411,7 @@ def test_emul_hostile_scores_on_interior_tiles(backend, dtype, scale):
     # takes D; eager's softmax backward has exactly 0 there)
     head = [x[:, :1].contiguous() for x in (q, k, v, out, lse)]
     go = torch.randn(head[3].shape, generator=g).to(dtype)
-    dv = _backward(backend, *head, go, scale=scale)[2]
+    dv = run_backward(backend, *head, go, scale=scale)[2]
     (_, ref_grads), (_, eager_grads) = references(*head[:3], go, scale=scale)
     assert torch.isfinite(dv).all()
     assert _err(dv, ref_grads[2]) <= 2.0 * _err(eager_grads[2], ref_grads[2]) + 1e-6, (
@@ -489,18 +485,6 @@ def test_cuda_graph_replays_draw_fresh_dropout():
     assert not torch.equal(used[0], used[1])
 
 
-def _assert_near_reference(ours, ref, eager, dtype):
-    """float64 / float32 against the float64 reference (1e-10 / 2e-5 relative
-    to the largest reference value); half / bfloat16 within twice plain eager
-    PyTorch's error in that dtype."""
-    for a, r, e in zip(ours, ref, eager):
-        if dtype in (torch.float64, torch.float32):
-            tol = 1e-10 if dtype == torch.float64 else 2e-5
-            torch.testing.assert_close(a.double(), r.double(), rtol=tol, atol=tol * max(1.0, r.abs().max().item()))
-        else:
-            assert _err(a, r) <= 2.0 * _err(e, r) + 1e-3 * r.abs().max().item(), (_err(a, r), _err(e, r))
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_emul_padding_rows_and_batch_varying_mask(backend, dtype, is_causal):
@@ -519,206 +503,6 @@ def test_emul_padding_rows_and_batch_varying_mask(backend, dtype, is_causal):
     mask[1, :, :3, :] = lo
     out, lse, _ = backend.attention(q, k, v, mask, 0.0, is_causal)
     go = torch.randn_like(out)
-    grads = _backward(backend, q, k, v, out, lse, go, mask, is_causal=is_causal, mask_grad=True)
+    grads = run_backward(backend, q, k, v, out, lse, go, mask, is_causal=is_causal, mask_grad=True)
     (ref_out, ref_grads), (eager_out, eager_grads) = references(q, k, v, go, mask=mask, is_causal=is_causal)
-    _assert_near_reference([out] + list(grads), [ref_out] + ref_grads, [eager_out] + eager_grads, dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 4, 2, 50, 70, 64, 48), (1, 2, 1, 33, 80, 128, 128), (1, 1, 1, 20, 35, 256, 160)])
-def test_emul_scalar_operands_give_the_ldmatrix_results(backend, dtype, shape, monkeypatch):
-    # MHA_EXT_CUDA_OPERANDS=scalar loads the same tensor-core fragments by
-    # plain loads (the kernels' way before ldmatrix): the same results, bit
-    # for bit where no atomic order enters, and held to the reference as the
-    # default path is (float32: 3xTF32 operands). The H200 and H100 runs
-    # compared the two this way; a default build leaves the plain-load path
-    # out (the emulation has it): there the setting is a clear error.
-    q, k, v = make(shape, dtype)
-    gqa = shape[1] != shape[2]
-    rng = torch.tensor([987654321, 4242], dtype=torch.long)
-    keep = R.dropout_keep(987654321, 4242, (shape[0], shape[1], shape[3], shape[4]), 0.2)
-    kw = dict(is_causal=True, enable_gqa=gqa, keep=keep, dropout_p=0.2)
-    cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, None, 0.2, True, None, gqa, rng)
-    go = torch.randn_like(cpu_out)
-    cpu = _backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, None, 0.2, True, None, gqa, rng)
-    if dtype == torch.float32:  # its tensor-core operands: 3xTF32
-        monkeypatch.setenv("MHA_EXT_CUDA_FLOAT32", "3xtf32")
-    results = {}
-    for mode in ("ldmatrix", "scalar"):
-        monkeypatch.setenv("MHA_EXT_CUDA_OPERANDS", mode)
-        try:
-            out, lse, _ = backend.attention(q, k, v, None, 0.2, True, None, gqa, rng)
-        except (RuntimeError, ValueError) as e:  # a default GPU build: the setting is a clear error
-            if mode == "scalar" and isinstance(backend, OnCuda) and (
-                    "MHA_EXT_CUDA_OPERANDS=scalar needs the plain-load operand path, which this build leaves out"
-                    in str(e)):
-                return
-            raise
-        before = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True)
-        try:
-            grads = _backward(backend, q, k, v, cpu_out, cpu_lse, go, None, 0.2, True, None, gqa, rng)
-        finally:
-            torch.use_deterministic_algorithms(before)
-        results[mode] = (out, lse) + tuple(grads[:3])
-    for a, b in zip(results["ldmatrix"], results["scalar"]):
-        assert torch.equal(a, b)
-    assert_all_like_cpu(results["scalar"][0], cpu_out, references(q, k, v, **kw), dtype)
-    assert_all_like_cpu(results["scalar"][2:], cpu[:3], references(q, k, v, go, **kw), dtype)
-
-
-def test_emul_operands_setting_is_checked(backend, monkeypatch):
-    q, k, v = make((1, 1, 1, 8, 8, 16, 16), torch.float16)
-    monkeypatch.setenv("MHA_EXT_CUDA_OPERANDS", "fast")
-    with pytest.raises((RuntimeError, ValueError), match='MHA_EXT_CUDA_OPERANDS must be "ldmatrix" or "scalar", got "fast"'):
-        backend.attention(q, k, v, None, 0.0, False, None, False)
-
-
-@pytest.mark.parametrize("shape", [(1, 4, 2, 50, 70, 64, 48), (1, 4, 2, 70, 45, 40, 72), (1, 2, 1, 33, 80, 128, 128)])
-def test_emul_float32_math_follows_torchs_tf32_setting(backend, shape, monkeypatch):
-    # float32 products: float32 FMAs on the CUDA cores by default (the tests
-    # above), TF32 on the tensor cores where torch allows TF32 matmuls (10
-    # mantissa bits, as float16: within twice the error of plain eager
-    # PyTorch in float16, and measurably less exact than float32), 3xTF32
-    # with MHA_EXT_CUDA_FLOAT32=3xtf32 (float32's tolerance), and float32 FMAs
-    # with MHA_EXT_CUDA_FLOAT32=cuda-cores whatever torch allows.
-    q, k, v = make(shape, torch.float32)
-    gqa = shape[1] != shape[2]
-    go = torch.randn(shape[0], shape[1], shape[3], shape[6], dtype=torch.float64).float()
-    (ref_out, ref_grads), _ = references(q, k, v, go, is_causal=True, enable_gqa=gqa)
-    (_, _), (h_out, h_grads) = references(q.half(), k.half(), v.half(), go.half(), is_causal=True, enable_gqa=gqa)
-    refs, halves = [ref_out] + ref_grads, [h_out] + h_grads
-
-    def run(mode, precision):
-        monkeypatch.setenv("MHA_EXT_CUDA_FLOAT32", mode)
-        torch.backends.cuda.matmul.fp32_precision = precision
-        out, lse, _ = backend.attention(q, k, v, None, 0.0, True, None, gqa)
-        return [out] + list(_backward(backend, q, k, v, out, lse, go, is_causal=True, gqa=gqa)[:3])
-
-    before = torch.backends.cuda.matmul.fp32_precision
-    try:
-        results = {(m, pr): run(m, pr) for m in ("auto", "3xtf32", "cuda-cores") for pr in ("ieee", "tf32")}
-        # the older switch selects TF32 too (from "ieee", so that it is what changes the arithmetic)
-        torch.backends.cuda.matmul.fp32_precision = "ieee"
-        torch.backends.cuda.matmul.allow_tf32 = True
-        monkeypatch.setenv("MHA_EXT_CUDA_FLOAT32", "auto")
-        out, lse, _ = backend.attention(q, k, v, None, 0.0, True, None, gqa)
-        assert torch.equal(out, results[("auto", "tf32")][0])
-        assert not torch.equal(out, results[("auto", "ieee")][0])
-    finally:
-        torch.backends.cuda.matmul.fp32_precision = before
-    for key in (("auto", "ieee"), ("3xtf32", "ieee"), ("3xtf32", "tf32")):
-        _assert_near_reference(results[key], refs, refs, torch.float32)
-    for a, b, c in zip(results[("auto", "ieee")], results[("cuda-cores", "ieee")], results[("cuda-cores", "tf32")]):
-        assert torch.equal(a, b) and torch.equal(a, c)
-    for a, b in zip(results[("3xtf32", "ieee")], results[("3xtf32", "tf32")]):
-        assert torch.equal(a, b)
-    for a, r, h in zip(results[("auto", "tf32")], refs, halves):
-        scale = max(1.0, r.abs().max().item())
-        assert 1e-5 * scale < _err(a, r) <= 2.0 * _err(h, r), (_err(a, r), _err(h, r))
-
-
-def test_emul_float32_setting_is_checked(backend, monkeypatch):
-    q, k, v = make((1, 1, 1, 8, 8, 16, 16), torch.float32)
-    monkeypatch.setenv("MHA_EXT_CUDA_FLOAT32", "tf64")
-    with pytest.raises((RuntimeError, ValueError),
-                       match='MHA_EXT_CUDA_FLOAT32 must be "auto", "3xtf32" or "cuda-cores", got "tf64"'):
-        backend.attention(q, k, v, None, 0.0, False, None, False)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 2, 1, 150, 97, 64, 48), (2, 2, 2, 130, 140, 128, 128), (1, 1, 1, 129, 70, 200, 256)])
-def test_emul_forward_rows_64_and_128_are_bit_identical(backend, dtype, shape, monkeypatch):
-    # MHA_EXT_CUDA_FWD_ROWS: 16-bit forward tiles of 64 query rows or 128
-    # ("auto" picks them at head dims 128 and 256, and for the plain kernel);
-    # MHA_EXT_CUDA_FWD_WARP_ROWS: the plain kernel's warps of 32 rows (calls
-    # without a mask tensor, dropout, softcap or ALiBi, head dims 64 and 128)
-    # or the general kernel's 16. Within a kernel a row's result does not
-    # depend on the rows a block: the same bits (causal and a window add
-    # tiles fully masked for some rows of a wider block, which the plain
-    # kernel's warps skip; rows past L in a warp's second row tile; dropout,
-    # which takes the general kernel; GQA). The two kernels differ in their
-    # last bits where the plain kernel's edge tiles take the FMA softmax and
-    # the general kernel's the exact one; the reference holds both.
-    q, k, v = make(shape, dtype)
-    gqa = shape[1] != shape[2]
-    rng = torch.tensor([1234567, 89], dtype=torch.long)
-    monkeypatch.delenv("MHA_EXT_CUDA_OPERANDS", raising=False)
-    cases = [dict(), dict(is_causal=True), dict(window=(40, 3)), dict(window=(7, 0)), dict(dropout_p=0.2)]
-    for case in cases:
-        win = case.get("window", (-1, -1))
-        args = (q, k, v, None, case.get("dropout_p", 0.0), case.get("is_causal", False), None, gqa, rng,
-                win[0], win[1], True)
-        results = {}
-        for rows in ("64", "128", "auto"):
-            for warp_rows in ("16", "32"):
-                monkeypatch.setenv("MHA_EXT_CUDA_FWD_ROWS", rows)
-                monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", warp_rows)
-                if isinstance(backend, OnCuda):
-                    results[rows, warp_rows] = backend.attention(*args)[:2]
-                    continue
-                backend.launched_grids(), backend.launched_threads()
-                results[rows, warp_rows] = backend.attention(*args)[:2]
-                # which kernel ran, from the launch: the plain one (32 rows a
-                # warp) for the calls it takes, else the general one (16)
-                d, L = max(shape[5], shape[6]), shape[3]
-                plain = warp_rows == "32" and d <= 128 and "dropout_p" not in case
-                block, threads = forward_block(d, L, plain, rows)
-                assert backend.launched_grids()[0] == -(-L // block), (case, rows, warp_rows)
-                assert backend.launched_threads()[0] == threads, (case, rows, warp_rows)
-        for key, got in results.items():
-            for a, b in zip(results["64", key[1]], got):
-                assert torch.equal(a, b), (case, key)
-        cpu_out = torch.ops.mha_ext.attention(*args)[0]
-        kw = dict(enable_gqa=gqa, bottom_right=True)
-        if "dropout_p" in case:
-            kw.update(keep=R.dropout_keep(1234567, 89, (shape[0], shape[1], shape[3], shape[4]), 0.2), dropout_p=0.2)
-        if case.get("is_causal"):
-            kw.update(is_causal=True)
-        if "window" in case:
-            kw.update(window=win)
-        refs = references(q, k, v, **kw)
-        for warp_rows in ("16", "32"):
-            assert_all_like_cpu(results["auto", warp_rows][0], cpu_out, refs, dtype)
-
-
-def test_emul_forward_warp_rows_with_key_splits_are_bit_identical(backend, monkeypatch):
-    # Key splits (flash-decoding) counted in 64-row blocks whatever the
-    # launch's rows per block: the plain kernel's 128-row blocks (2 here)
-    # and the general kernel's 64-row ones (3) split the keys alike (92 key
-    # tiles in 22 runs of at most 5: 528 blocks fit, 4 of 46 KiB a
-    # multiprocessor, 528 // 24 = 22), so a non-causal row sums the same runs
-    # in the same order, and the combine gives the same bits (counted in the
-    # launch's blocks, the plain kernel would make 23 runs of 4: 528 // 16 =
-    # 33, at most 92 // 4). The keys fill their last tile: an edge tile takes
-    # the FMA softmax in the plain kernel and the exact one in the general.
-    for name in ("MHA_EXT_CUDA_KV_SPLITS", "MHA_EXT_CUDA_FWD_ROWS", "MHA_EXT_CUDA_OPERANDS"):
-        monkeypatch.delenv(name, raising=False)
-    torch.manual_seed(11)
-    q, k, v = make((1, 8, 2, 130, 5888, 64, 64), torch.bfloat16)
-    args = (q, k, v, None, 0.0, False, None, True)
-    results = {}
-    for warp_rows, q_blocks in (("16", 3), ("32", 2)):
-        monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", warp_rows)
-        if isinstance(backend, OnCuda):
-            results[warp_rows] = backend.attention(*args)[:2]
-            continue
-        backend.launched_grids()
-        results[warp_rows] = backend.attention(*args)[:2]
-        grids = backend.launched_grids()
-        assert grids[0] == q_blocks * 22 and len(grids) == 6, (warp_rows, grids)  # then the combine
-    for a, b in zip(results["16"], results["32"]):
-        assert torch.equal(a, b)
-    cpu_out = torch.ops.mha_ext.attention(*args)[0]
-    assert_all_like_cpu(results["32"][0], cpu_out, references(q, k, v, enable_gqa=True), torch.bfloat16)
-
-
-def test_emul_forward_rows_setting_is_checked(backend, monkeypatch):
-    q, k, v = make((1, 1, 1, 8, 8, 16, 16), torch.float16)
-    monkeypatch.setenv("MHA_EXT_CUDA_FWD_ROWS", "256")
-    with pytest.raises((RuntimeError, ValueError), match='MHA_EXT_CUDA_FWD_ROWS must be "auto", "64" or "128", got "256"'):
-        backend.attention(q, k, v, None, 0.0, False, None, False)
-    monkeypatch.setenv("MHA_EXT_CUDA_FWD_ROWS", "auto")
-    monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", "64")
-    with pytest.raises((RuntimeError, ValueError), match='MHA_EXT_CUDA_FWD_WARP_ROWS must be "auto", "16" or "32", got "64"'):
-        backend.attention(q, k, v, None, 0.0, False, None, False)
+    assert_near_reference([out] + list(grads), [ref_out] + ref_grads, [eager_out] + eager_grads, dtype)
