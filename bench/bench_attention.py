@@ -18,6 +18,7 @@ Attention FLOPs = 4 * B * H * L * S * E (forward), halved for causal; backward c
 """
 import argparse
 import datetime
+import glob
 import math
 import os
 import platform
@@ -38,14 +39,30 @@ CASES = ["plain", "causal", "dropout", "mask3d", "ev!=e"]
 
 
 def cpu_name():
+    """The model name with its family / model numbers and last-level cache
+    (VMs of different CPUs report the same name)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+                if not line.strip():
+                    break
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    extra = []
+    if "cpu family" in fields and "model" in fields:
+        extra.append(f"family {fields['cpu family']} model {fields['model']}")
+    caches = glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size")
+    if caches:
+        last = max(caches, key=lambda path: int(open(os.path.join(os.path.dirname(path), "level")).read()))
+        size = open(last).read().strip()
+        if size.endswith("K") and size[:-1].isdigit():
+            size = f"{int(size[:-1]) / 1024:g} MiB"
+        extra.append(f"L{open(os.path.join(os.path.dirname(last), 'level')).read().strip()} {size}")
+    return f"{name} ({', '.join(extra)})" if extra else name
 
 
 def median_times(fns, reps, warmup=1, before=None):
