@@ -1,5 +1,5 @@
 """The decode path of the CPU forward (few query rows per key/value head, no
-dropout: forward_cpu.cpp's attention_decode_kernel): each K/V tile read once
+dropout: decode_cpu.cpp's attention_decode_kernel): each K/V tile read once
 for a GQA group's rows, keys split into runs of tiles merged by their
 logsumexp. Outputs and logsumexp against the float64 reference for shapes
 that take it (splits, ragged tiles, masks, variants, NaN and empty rows), in

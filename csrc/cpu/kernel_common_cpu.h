@@ -1,4 +1,4 @@
-// What the CPU forward and backward kernels share (forward_cpu.cpp,
+// What the CPU forward and backward kernels share (forward_cpu.cpp, decode_cpu.cpp,
 // backward_cpu.cpp): tile sizes, the row operations in the kernels' units,
 // per-thread buffers, tile loads and transposes, the AMX operand packing, the
 // one score transform of the attention variants (transform_row) and the
@@ -367,8 +367,8 @@ inline uint16_t bf16_bits(c10::BFloat16 x) { return x.x; }
 
 // A operand: rows [0, rows) x cols [0, cols) of a strided bfloat16 matrix
 // into dst (rows_pad x ld), zero elsewhere.
-void pack_a_bf16(const c10::BFloat16* src, int64_t rs, int64_t cs, int64_t rows, int64_t cols,
-                 int64_t rows_pad, int64_t ld, uint16_t* dst) {
+inline void pack_a_bf16(const c10::BFloat16* src, int64_t rs, int64_t cs, int64_t rows, int64_t cols,
+                        int64_t rows_pad, int64_t ld, uint16_t* dst) {
   for (int64_t r = 0; r < rows_pad; ++r) {
     uint16_t* d = dst + r * ld;
     int64_t c = 0;
@@ -385,8 +385,8 @@ void pack_a_bf16(const c10::BFloat16* src, int64_t rs, int64_t cs, int64_t rows,
 // B operand of S = Q K^T from `n` key rows (E columns): pair row t, column j
 // holds K[j][2t], K[j][2t + 1]; (e_pad / 2 pair rows) x (2 n_pad) bits, row
 // stride ld (even, >= 2 n_pad).
-void pack_kt_pairs(const c10::BFloat16* k, int64_t rs, int64_t cs, int64_t n, int64_t E, int64_t n_pad,
-                   int64_t e_pad, int64_t ld, uint16_t* dst) {
+inline void pack_kt_pairs(const c10::BFloat16* k, int64_t rs, int64_t cs, int64_t n, int64_t E, int64_t n_pad,
+                          int64_t e_pad, int64_t ld, uint16_t* dst) {
   if (cs == 1 && E % 2 == 0 && rs % 2 == 0 && n == n_pad && reinterpret_cast<uintptr_t>(k) % 4 == 0) {
     // the pairs are 32-bit words: a transpose of (n x E / 2) words, bits moved unchanged
     cpu::transpose(reinterpret_cast<const float*>(k), rs / 2, n, E / 2, reinterpret_cast<float*>(dst), ld / 2);
@@ -402,8 +402,8 @@ void pack_kt_pairs(const c10::BFloat16* k, int64_t rs, int64_t cs, int64_t n, in
 
 // B operand of O = P V from `n` value rows (Ev columns): pair row t, column c
 // holds V[2t][c], V[2t + 1][c]; (n_pad / 2) x (2 ev_pad) bits.
-void pack_v_pairs(const c10::BFloat16* v, int64_t rs, int64_t cs, int64_t n, int64_t Ev, int64_t n_pad,
-                  int64_t ev_pad, uint16_t* dst) {
+inline void pack_v_pairs(const c10::BFloat16* v, int64_t rs, int64_t cs, int64_t n, int64_t Ev, int64_t n_pad,
+                         int64_t ev_pad, uint16_t* dst) {
   const int64_t ld = 2 * ev_pad;
   if (cs == 1) return cpu::amx_pack_row_pairs(reinterpret_cast<const uint16_t*>(v), rs, n, Ev, n_pad, ev_pad, ld, dst);
   for (int64_t j = 0; j < n_pad; ++j) {

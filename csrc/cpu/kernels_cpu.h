@@ -19,6 +19,11 @@ void attention_fwd_kernel(const AttentionFwdParams& p);
 // paged KV cache in place.
 bool use_decode_kernel(const AttentionFwdParams& p);
 
+// The decode kernel (decode_cpu.cpp): attention_fwd_kernel's path for p where
+// use_decode_kernel(p); same results and contract.
+template <typename scalar_t>
+void attention_decode_kernel(const AttentionFwdParams& p);
+
 // Backward: fills p.grad_q (scalar_t, contiguous), p.grad_k / p.grad_v
 // (accumulator type, one slice per *query* head: (B, Hq, S, E) / (B, Hq, S, Ev),
 // reduced over the GQA group by the host) and, when set, p.grad_mask

@@ -1,4 +1,4 @@
-// Row primitives of the decode kernel (forward_cpu.cpp), the score side: S =
+// Row primitives of the decode kernel (decode_cpu.cpp), the score side: S =
 // Q K^T for a few query rows as dot products with each key row, each key row
 // read whole and in address order (bfloat16 / float16 rows widened in
 // registers, or bfloat16 pairs on AVX512-BF16), and the widening of 16-bit

@@ -1,7 +1,7 @@
 // Float32 decode rows of a 16-row group (R = G L = 16: four query rows of
 // a 4-head GQA group, say), one query row a vector lane (bfloat16 rows on
 // AVX512-BF16 likewise, by pairs of columns or keys), for the decode
-// kernel (forward_cpu.cpp through rows_cpu.cpp and rows_values_cpu.cpp). With a row a lane every
+// kernel (decode_cpu.cpp through rows_cpu.cpp and rows_values_cpu.cpp). With a row a lane every
 // lane of every multiply-add is a product that counts: no horizontal sums
 // (score_block spends 30 shuffles on each 16 sums) and no value row read by
 // several passes; Q, P and O are turned into lanes and back by 16 x 16

@@ -1,4 +1,4 @@
-// Row primitives of the decode kernel (forward_cpu.cpp), the P V side: O +=
+// Row primitives of the decode kernel (decode_cpu.cpp), the P V side: O +=
 // P V for a few query rows, each value row read whole and in address order
 // (bfloat16 / float16 rows widened in registers, or bfloat16 pairs on
 // AVX512-BF16), on the run-time instruction-set choice of gemm_cpu.h; groups
