@@ -1,6 +1,6 @@
 // The one input checker of mha_ext: every backend, forward and backward, calls
-// it. Its messages are mirrored word for word by the fake kernels in
-// mha_ext/ops.py (tests/test_errors.py holds both to the same text).
+// it. Its messages are mirrored word for word by the fake kernels' checks in
+// mha_ext/checks.py (tests/test_errors.py holds both to the same text).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .ops import check_attention_inputs
+from .checks import check_attention_inputs
 
 __all__ = ["ring_attention", "shard", "unshard"]
 

@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 
 from . import _C
-from .ops import _acc_dtype, _check, _check_qkv_common, _fmt, _variant_args, check_variant
+from .checks import _acc_dtype, _check, _check_qkv_common, _fmt, check_variant
+from .ops import _variant_args
 
 __all__ = ["kvcache_attention"]
 

@@ -12,8 +12,9 @@ from typing import Optional
 
 import torch
 
-from .ops import (_acc_dtype, _check, _check_qkv_common, _check_same_shape, _composite_attention, _fmt, _variant_args,
-                  check_dropout_p, check_rng_state, check_variant, new_rng_state, run_op)
+from .checks import (_acc_dtype, _check, _check_qkv_common, _check_same_shape, _fmt, check_dropout_p, check_rng_state,
+                     check_variant)
+from .ops import _composite_attention, _variant_args, new_rng_state, run_op
 
 __all__ = ["varlen_attention", "check_varlen_inputs"]
 
