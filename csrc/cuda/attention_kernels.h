@@ -2,7 +2,8 @@
 // FlashAttention-2 style, written only against simt.h / mma.h so the same
 // source compiles with nvcc and runs under the CPU emulation in the tests.
 // This header gathers it:
-//   warp_tiles.h        tile shapes, warp products, tile copies, the tile stream
+//   warp_tiles.h        tile shapes, warp products, the tile stream
+//   tile_copies.h       global -> shared tile copies (plain and cp.async)
 //   score_policy.h      the keys a row sees, the variants' score transform,
 //                       softmax units, dropout draws
 //   forward_kernels.h   forward (general and plain) and the key splits' merge
