@@ -7,8 +7,14 @@ by up to 2x within minutes, so the share of it is taken rep by rep).
 
     python bench/bench_decode.py            # the grid of issue 12 (a few minutes)
     python bench/bench_decode.py --quick
+    python bench/bench_decode.py --layers 12   # whole decode steps of a 12-layer model instead
 
-Writes markdown to bench/out/decode.md and prints it.
+Writes markdown to bench/out/decode.md (decode-layers.md with --layers) and
+prints it. With --layers N each case is a decode step of a model of N layers:
+one call a layer, each layer its own K/V, the two libraries' steps
+interleaved. Between two calls of a layer the other layers' K/V pass through
+the caches, as in a model (where its weights pass too), so a layer's K/V come
+from the caches only where all the layers' fit.
 """
 import argparse
 import datetime
@@ -46,7 +52,10 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--layers", type=int, default=0, help="time decode steps over this many layers' caches")
     args = ap.parse_args()
+    if args.layers > 0:
+        return layers_table(args)
     batches = [1, 4] if args.quick else [1, 4, 8]
     lengths = [2048, 8192] if args.quick else [2048, 8192, 32768]
     shapes = [(32, 8, 128), (12, 12, 64)]
@@ -101,6 +110,48 @@ def main():
                      f"{100 * min(shares):.0f}-{100 * max(shares):.0f}%, {sum(s >= 0.8 for s in shares)} of "
                      f"{len(shares)} cases at 80% or more.")
     write_report("decode.md", lines)
+
+
+def layers_table(args):
+    n = args.layers
+    lines = [f"# Decode steps of {n} layers: mha_ext vs F.scaled_dot_product_attention, {datetime.date.today()}", "",
+             f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, mha_ext CPU path "
+             f"{mha_ext.ops.cpu_isa()}; `python bench/bench_decode.py {' '.join(sys.argv[1:])}`; B = 1, one query "
+             f"row; a step is one call for each of {n} layers, each layer its own K/V; medians of {args.reps} "
+             "interleaved steps or more (as many as take 0.5 s of mha_ext's time, up to 61). K/V GB/s = bytes of "
+             "all the layers' K and V / the step's time.", "",
+             "| dtype | Hq, Hkv, D | S | K/V a layer MiB | mha_ext ms | torch ms | torch / mha_ext | "
+             "mha_ext K/V GB/s | torch K/V GB/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    ratios = []
+    shapes = [(12, 12, 64), (32, 8, 64), (32, 8, 128)]
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        for hq, hkv, D in shapes:
+            for S in ([2048, 8192] if args.quick else [2048, 4096, 8192]):
+                q = torch.randn(1, hq, 1, D, dtype=dtype)
+                kv = [(torch.randn(1, hkv, S, D, dtype=dtype), torch.randn(1, hkv, S, D, dtype=dtype))
+                      for _ in range(n)]
+                gqa = hq != hkv
+
+                def step(fn):
+                    for k, v in kv:
+                        fn(q, k, v, enable_gqa=gqa)
+
+                fns = [lambda: step(mha_ext.scaled_dot_product_attention),
+                       lambda: step(F.scaled_dot_product_attention)]
+                t_one = median_times(fns[:1], 3, warmup=1)[0]
+                reps = max(args.reps, min(61, int(0.5 / max(t_one, 1e-6))))
+                ta, tb = median_times(fns, reps)
+                layer = 2 * kv[0][0].numel() * kv[0][0].element_size()
+                ratios.append(tb / ta)
+                lines.append(f"| {name} | {hq}, {hkv}, {D} | {S} | {layer / 2**20:.0f} | {ta * 1e3:.3f} | "
+                             f"{tb * 1e3:.3f} | {tb / ta:.2f} | {n * layer / ta / 1e9:.1f} | {n * layer / tb / 1e9:.1f} |")
+                print(lines[-1], flush=True)
+                del q, kv
+    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    lines += ["", f"Geometric mean of torch / mha_ext: {geo:.2f}; lowest {min(ratios):.2f}."]
+    write_report("decode-layers.md", lines)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ SHAPES = [
     (1, 8, 1, 2, 300, 12, 4),       # 16 rows, 4 value columns: a partial vector a row (AVX2: passes of 8 rows)
     (1, 16, 2, 1, 200, 20, 13),     # 8 rows, 13 value columns: a whole vector and a partial one
     (1, 32, 8, 1, 8200, 128, 128),  # past 32 MiB of float32 K/V (bfloat16: 32.03): rows also fetched 24 KiB ahead
+    (1, 12, 12, 1, 2900, 64, 64),   # 64-column rows past 4 MiB (float32 17 MiB, bfloat16 8.5): their far fetch
 ]
 
 

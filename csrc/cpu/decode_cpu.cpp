@@ -39,6 +39,17 @@ constexpr int64_t kAmxDecodeRows = 4;
 // next): a (B, S, H, D) cache is read heads-inner, and the row routines add
 // their far fetch (rows_avx512.h)
 constexpr int64_t kFromMemoryBytes = 32 * 1024 * 1024;
+// Rows of at most 64 columns take the far fetch from 4 MiB of K/V on (more
+// than the cores' L2 holds): in a model's decode step every other layer's K/V
+// and weights pass between two calls of a layer, so its K/V come from memory
+// well under 32 MiB. A loop over 12 and 32 layers' caches against the 32 MiB
+// gate, interleaved (Intel Xeon of model 167, 2 threads; 6-24 MiB a layer,
+// 12 x 12 x 64, 32 x 8 x 64, 16 x 4 x 64 and 14 x 2 x 64 heads, one query; the
+// AMX, AVX-512 and AVX2 paths): 1.00-1.17x; one layer's K/V called back to
+// back, in the caches, 0.97-1.01x. Wider rows gained nothing there (32 x 8 x 128 heads of
+// float32 from memory 1.00x) and lost up to 0.85x in the caches, so they keep
+// the 32 MiB gate (docs/performance.md, "The far fetch for narrow rows").
+constexpr int64_t kFarNarrowBytes = 4 * 1024 * 1024;
 
 // The decode kernel's per-thread buffers (rows of Q, scores, O and its
 // statistics, strided K / V rows), kept by each thread from call to call and
@@ -170,7 +181,8 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   const int64_t item_keys = std::min(split_tiles * kBlockN, std::max<int64_t>(kv_end - kv_begin, 1));
   const int64_t item_bytes = std::max<int64_t>(item_keys * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t)), 1);
   const int64_t grain = std::max<int64_t>(1, kGroupBytes / item_bytes);
-  // the far fetch where the call reads K/V from memory (each batch's own key
+  // the far fetch where the call reads K/V from memory (past kFromMemoryBytes,
+  // or kFarNarrowBytes for rows of at most 64 columns; each batch's own key
   // count where a KV cache gives them) in adjacent rows outside a paged pool
   // (24 KiB on from a block's rows lies in whatever block is next)
   int64_t read_bytes = kv_bytes;
@@ -182,7 +194,8 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
     }
     read_bytes = keys * Hkv * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t));
   }
-  const bool far_fetch = p.block_table == nullptr && read_bytes > kFromMemoryBytes;
+  const int64_t far_from = std::max(E, Ev) <= 64 ? kFarNarrowBytes : kFromMemoryBytes;
+  const bool far_fetch = p.block_table == nullptr && read_bytes > far_from;
   // A KV cache's batches may hold very different key counts, and then
   // at::parallel_for's fixed ranges of items give one thread the long ones.
   // Where they would leave a thread over a quarter more keys than an even

@@ -111,9 +111,10 @@ struct RowFetch {
 //   stay in the caches; float16 0.99-1.01x.
 //
 // Far: a call whose K and V would not stay in the caches from one call to the
-// next (over kFromMemoryBytes, decode_cpu.cpp) also fetches each row's
-// bytes kFarAhead further on into L2, so that the L1 fetch a page ahead finds
-// them there rather than in memory. Against none, interleaved in one process
+// next (over kFromMemoryBytes, or kFarNarrowBytes for rows of at most 64
+// columns, decode_cpu.cpp) also fetches each row's bytes kFarAhead further on
+// into L2, so that the L1 fetch a page ahead finds them there rather than in
+// memory. Against none, interleaved in one process
 // (AMD EPYC family 25, 2 threads, 8-32k keys): one float32 row of 32 x 8 x 128
 // heads 1.18-1.22x (K/V at the streaming read), bfloat16 1.08-1.11x; four
 // float32 rows of 12 x 64 heads 1.15x; one row of 12 x 64 heads, already at
