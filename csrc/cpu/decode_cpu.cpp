@@ -36,8 +36,8 @@ constexpr int64_t kGroupBytes = 32 * 1024;
 constexpr int64_t kAmxDecodeRows = 4;
 // K and V bytes of a call above which they are taken to come from memory
 // (they would not stay in a 32 MiB last-level cache from one call to the
-// next): a (B, S, H, D) cache is read heads-inner, and the row routines add
-// their far fetch (rows_avx512.h)
+// next): the row routines add their far fetch (rows_avx512.h) to rows of more
+// than 64 columns
 constexpr int64_t kFromMemoryBytes = 32 * 1024 * 1024;
 // Rows of at most 64 columns take the far fetch from 4 MiB of K/V on (more
 // than the cores' L2 holds): in a model's decode step every other layer's K/V
@@ -105,19 +105,23 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   // every 4 KiB at 8 heads of 128 float32), and read head after head the
   // memory delivered them at 0.55x the rate of adjacent rows (a plain 2-thread
   // sum here, 40.7 against 73.4 GB/s; 53-58 with all heads of 16-256 keys in
-  // turn). Where such a cache is read from memory (past 32 MiB of visible
-  // K/V), each split is one tile and the items go split-major: the heads of a
-  // tile run one after the other, over the same pages (1.05-1.30x). bfloat16
-  // and float16 with more than 8 rows a head too, once bound by arithmetic
-  // and left out: since the 16-row routines fetch strided rows spread over
-  // their steps, split-major ran bfloat16 with 12 and 16 rows 1.10-1.30x and
-  // float16 with 16 rows 1.15-1.20x (docs/performance.md, "Decoding on a newer CPU";
-  // on AMX the bfloat16 rows of 8 or more take the tile routines, which
-  // fetch no strided rows: that order with them is not timed).
+  // turn). So in such a cache each split is one tile and the items go
+  // split-major: the heads of a tile run one after the other, over the same
+  // pages. First done only past 32 MiB of visible K/V (taken to come from
+  // memory; 1.05-1.30x there); at any size it ran one and four queries of
+  // 12 x 12 x 64, 32 x 8 x 64, 32 x 8 x 128 and 14 x 2 x 64 heads (1-16 MiB of
+  // K/V, float32 and bfloat16) 0.98-1.73x as fast as head after head, in the
+  // caches and in a loop over 24 layers' caches alike (interleaved, Intel Xeon
+  // of model 167; docs/performance.md, "Heads inside the key rows at any
+  // size"). bfloat16 and float16 with more than 8 rows a head too, once
+  // bound by arithmetic and left out: since the 16-row routines fetch strided
+  // rows spread over their steps, split-major ran bfloat16 with 12 and 16 rows
+  // 1.10-1.30x and float16 with 16 rows 1.15-1.20x (docs/performance.md,
+  // "Decoding on a newer CPU"; on AMX the bfloat16 rows of 8 or more take the
+  // tile routines, which fetch no strided rows).
   const int64_t kv_bytes =
       heads * std::max<int64_t>(kv_end - kv_begin, 0) * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t));
-  const bool heads_in_rows = Hkv > 1 && p.k_stride.h < p.k_stride.row && p.v_stride.h < p.v_stride.row &&
-                             kv_bytes > kFromMemoryBytes;
+  const bool heads_in_rows = Hkv > 1 && p.k_stride.h < p.k_stride.row && p.v_stride.h < p.v_stride.row;
   const int64_t want = heads_in_rows ? std::max<int64_t>(tiles, 1)
                                      : std::min(std::max<int64_t>((kDecodeItems + heads - 1) / heads, 1),
                                                 std::max<int64_t>(tiles, 1));
