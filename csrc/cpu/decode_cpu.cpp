@@ -119,8 +119,6 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   // 1.10-1.30x and float16 with 16 rows 1.15-1.20x (docs/performance.md,
   // "Decoding on a newer CPU"; on AMX the bfloat16 rows of 8 or more take the
   // tile routines, which fetch no strided rows).
-  const int64_t kv_bytes =
-      heads * std::max<int64_t>(kv_end - kv_begin, 0) * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t));
   const bool heads_in_rows = Hkv > 1 && p.k_stride.h < p.k_stride.row && p.v_stride.h < p.v_stride.row;
   const int64_t want = heads_in_rows ? std::max<int64_t>(tiles, 1)
                                      : std::min(std::max<int64_t>((kDecodeItems + heads - 1) / heads, 1),
@@ -189,7 +187,8 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   // or kFarNarrowBytes for rows of at most 64 columns; each batch's own key
   // count where a KV cache gives them) in adjacent rows outside a paged pool
   // (24 KiB on from a block's rows lies in whatever block is next)
-  int64_t read_bytes = kv_bytes;
+  int64_t read_bytes =
+      heads * std::max<int64_t>(kv_end - kv_begin, 0) * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t));
   if (p.seqlens_k != nullptr) {
     int64_t keys = 0;
     for (int64_t b = 0; b < p.batch; ++b) {
