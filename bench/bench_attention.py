@@ -55,13 +55,18 @@ def cpu_name():
     extra = []
     if "cpu family" in fields and "model" in fields:
         extra.append(f"family {fields['cpu family']} model {fields['model']}")
-    caches = glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size")
+    caches = []  # (level, size) of cpu0's caches
+    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(os.path.join(index, "level")) as f, open(os.path.join(index, "size")) as g:
+                caches.append((int(f.read()), g.read().strip()))
+        except (OSError, ValueError):
+            pass
     if caches:
-        last = max(caches, key=lambda path: int(open(os.path.join(os.path.dirname(path), "level")).read()))
-        size = open(last).read().strip()
+        level, size = max(caches)
         if size.endswith("K") and size[:-1].isdigit():
             size = f"{int(size[:-1]) / 1024:g} MiB"
-        extra.append(f"L{open(os.path.join(os.path.dirname(last), 'level')).read().strip()} {size}")
+        extra.append(f"L{level} {size}")
     return f"{name} ({', '.join(extra)})" if extra else name
 
 
