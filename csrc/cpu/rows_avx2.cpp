@@ -263,9 +263,22 @@ MHA_AVX2 void dot_rows_t(const float* q, int64_t R, int64_t E, const Row<kKind>*
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
     const int64_t nc = std::min<int64_t>(16, n - c0);
     const Row<kKind>* kc = k + c0 * ldk;
-    const PageFetch page = adjacent ? PageFetch::first_pass(kc, row_bytes, row_bytes, nc, elem, far_fetch)
-                                    : PageFetch::strided(far_fetch, ldk * elem, row_bytes),
-                    none;
+    PageFetch page = adjacent ? PageFetch::first_pass(kc, row_bytes, row_bytes, nc, elem, far_fetch)
+                              : PageFetch::strided(far_fetch, ldk * elem, row_bytes);
+    // 16-bit rows of more than kPerRowColumns columns with two query rows or
+    // more: each row's own bytes a page on at the row, as narrower rows, for
+    // the block's spread lines (RowFetch), whose count and branches at every
+    // key kept the 2-4 row score blocks from their fixed-E forms. Against the
+    // spread form, interleaved (AMD EPYC of family 25, Zen 3, 2 threads,
+    // bit-identical): bfloat16 scores of 4 rows of 128 columns 1.26x in L2,
+    // 1.09-1.12x from memory (bench/decode_rows.cpp); whole decode steps of
+    // the op, bfloat16 and float16, 1-2 query rows of 32 x 8 x 128 and
+    // 16 x 16 x 128 heads: 1.09-1.16x in the caches, 1.00-1.04x from memory.
+    // Float32 rows keep the spread form (0.82x from memory, 1.00x in the
+    // caches) and so does one query row (0.60x: its 8 key rows a block
+    // side by side would fetch 8 rows at once).
+    if (kKind != 0 && adjacent && R >= 2) page.block = {}, page.bytes = row_bytes;
+    const PageFetch none;
     if (!adjacent) rows::fetch_rows_l2(kc + 16 * ldk, ldk * elem, std::clamp<int64_t>(n - c0 - 16, 0, 16), row_bytes);
     for (int64_t r0 = 0; r0 < R;) {
       const int64_t rr = R - r0, rb = rr >= 4 ? 4 : rr >= 2 ? 2 : 1;
