@@ -99,16 +99,23 @@ struct RowFetch {
 //   (`bytes`): the block's lines issued at its start left a one-row
 //   bfloat16 decode at 40% of the streaming read in one VM state (94% in
 //   another), and float32 rows of 64 columns ran 1.14x in the caches
-//   against the spread form (1.01-1.03x from memory); bfloat16 rows of 64
-//   columns ran the spread form at 0.96-1.15x from memory, run to run
-//   (AMD EPYC family 25), not enough to move them;
+//   against the spread form (1.01-1.03x from memory). So do 16-bit rows of
+//   up to kPerRowBytes bytes (128 columns) where the caller passes that
+//   limit (two query rows or more a pass set) and the call takes no far
+//   fetch: since the blocks' fixed-E forms (with_fixed_page, which the
+//   spread form never takes), against the spread form, interleaved (AMD
+//   EPYC of family 25 model 17, 2 threads, bit-identical): four bfloat16
+//   rows of 32 x 8 x 128 heads at 2k keys 1.30-1.36x in the caches, float16
+//   1.17x; over 12 layers' caches (from memory, no far fetch) 0.99-1.02x;
+//   one row a head lost there (0.79x) and keeps the spread form, as do
+//   calls with the far fetch (0.89-0.90x);
 // - longer rows take the block's lines a few at each key (`block`, a
 //   RowFetch over the same lines; the routines keep a local copy of it, in
 //   registers): float32 at 128 columns 1.03-1.10x the per-row form from
 //   memory (0.92x where the keys stay in the caches); bfloat16 on
 //   AVX512-BF16 at 128 columns 1.09-1.20x from memory with one or two query
 //   rows of 32 x 8 heads (AMD EPYC family 25), 0.95x where a batch's 8 MiB
-//   stay in the caches; float16 0.99-1.01x.
+//   stay in the caches (both before the fixed-E forms); float16 0.99-1.01x.
 //
 // Far: a call whose K and V would not stay in the caches from one call to the
 // next (over kFromMemoryBytes, or kFarNarrowBytes for rows of at most 64
@@ -129,6 +136,7 @@ constexpr int64_t kFetchAhead = 4096;
 constexpr int64_t kFarAhead = 24576;
 constexpr int64_t kFarRows = 32;  // the far fetch of strided rows: this many keys on
 constexpr int64_t kPerRowColumns = 64;
+constexpr int64_t kPerRowBytes = 256;  // 16-bit rows of 128 columns
 struct PageFetch {
   int64_t bytes = 0;                         // of each row, or 0
   RowFetch<_MM_HINT_T0> block;               // or the block's lines (empty by default)
@@ -146,6 +154,8 @@ struct PageFetch {
   // The fetch of a block's (chunk's) first pass over `rows` adjacent rows
   // `stride` bytes apart from `first` (rows of elements of elem_bytes),
   // row_bytes of each read, in the form above; with the far fetch where far_fetch.
+  // Rows up to per_row_bytes apart (or kPerRowColumns columns, whichever is
+  // more) fetch their own bytes; with the far fetch only the latter.
   // Rows `stride` bytes apart that are not adjacent (a (B, S, H, D) KV
   // cache): no page-ahead fetch (their other fetches are the callers'), and
   // with far_fetch the row kFarRows keys on into L2.
@@ -155,10 +165,10 @@ struct PageFetch {
     return f;
   }
   static PageFetch first_pass(const void* first, int64_t stride, int64_t row_bytes, int64_t rows, int64_t elem_bytes,
-                              bool far_fetch) {
+                              int64_t per_row_bytes, bool far_fetch) {
     PageFetch f;
     if (far_fetch) f.far_bytes = row_bytes;
-    if (stride > kPerRowColumns * elem_bytes)
+    if (stride > std::max(far_fetch ? 0 : per_row_bytes, kPerRowColumns * elem_bytes))
       f.block = RowFetch<_MM_HINT_T0>(static_cast<const char*>(first) + kFetchAhead, stride, row_bytes, 0,
                                       rows * ((row_bytes + 63) / 64), rows);
     else

@@ -240,7 +240,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
     int64_t ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16);  // rows of the next block
     const int64_t row_bytes = E * static_cast<int64_t>(sizeof(*k));
     // the first pass's page-ahead fetch; later passes take none
-    const PageFetch page = adjacent ? PageFetch::first_pass(k + c0 * ldk, row_bytes, row_bytes, nc, sizeof(*k), far_fetch)
+    const PageFetch page = adjacent ? PageFetch::first_pass(k + c0 * ldk, row_bytes, row_bytes, nc, sizeof(*k), R >= 2 ? rows::kPerRowBytes : 0, far_fetch)
                                     : PageFetch::strided(far_fetch, ldk * static_cast<int64_t>(sizeof(*k)), row_bytes),
                     none;
     if (!adjacent && !spread)

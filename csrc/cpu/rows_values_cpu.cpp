@@ -238,7 +238,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
       const bool spread = ldv != Ev && (rb0 == 4 || rb0 == 2);
       // the first pass's page-ahead fetch; later passes take none
       const PageFetch page =
-                          ldv == Ev ? PageFetch::first_pass(vc, ldv_bytes, cols * elem, nj, elem, far_fetch)
+                          ldv == Ev ? PageFetch::first_pass(vc, ldv_bytes, cols * elem, nj, elem, R >= 2 ? rows::kPerRowBytes : 0, far_fetch)
                                     : PageFetch::strided(far_fetch, ldv_bytes, cols * elem),
                       none;
       if (ldv != Ev && !spread) {
