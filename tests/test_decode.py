@@ -31,6 +31,7 @@ SHAPES = [
     (1, 32, 8, 4, 1000, 37, 40),    # 4 x 8 + 5 key columns, 16 + 16 + 8 value columns, ragged tiles
     (2, 8, 1, 2, 600, 128, 128),    # one key/value head: its keys split across the threads
     (1, 16, 4, 4, 530, 64, 64),     # head dim 64: whole blocks of adjacent rows at constant offsets
+    (4, 16, 4, 4, 1300, 64, 64),    # 16 key/value heads: splits of 2 tiles (the next fetched ahead), a last of 20 keys
     (1, 8, 1, 2, 300, 12, 4),       # 16 rows, 4 value columns: a partial vector a row (AVX2: passes of 8 rows)
     (1, 16, 2, 1, 200, 20, 13),     # 8 rows, 13 value columns: a whole vector and a partial one
     (1, 32, 8, 1, 8200, 128, 128),  # past 32 MiB of float32 K/V (bfloat16: 32.03): rows also fetched 24 KiB ahead

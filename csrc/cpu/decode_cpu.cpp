@@ -287,6 +287,9 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         // (in a paged cache a tile lies in one block: its rows are evenly strided from kv_offset)
         const scalar_t* v_tile = v + p.kv_offset(p.v_stride, b, hk, j0);
         const scalar_t* k_tile = k + p.kv_offset(p.k_stride, b, hk, j0);
+        // the split's next tile, which the row routines fetch ahead (in a
+        // paged pool the rows after a tile lie in whatever block is next)
+        const int64_t rows_after = p.block_table == nullptr ? j_hi - j0 - n : 0;
         acc_t* s = s_buf.data();
         bool scored = false;
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // bfloat16 pairs on AMX or AVX512-BF16, then the scale
@@ -294,7 +297,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
                                                   p.k_stride.row, n, s, n, p.block_table == nullptr)) ||
               (p.k_stride.col == 1 &&
               cpu::dot_rows_bf16(q_bits.data(), R, E, reinterpret_cast<const uint16_t*>(k_tile), p.k_stride.row, n, s,
-                                 n, far_fetch))) {
+                                 n, far_fetch, rows_after))) {
             for (int64_t r = 0; r < R; ++r) Ops::scale(s + r * n, n, scale);
             scored = true;
           }
@@ -310,8 +313,9 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
           }
         } else if constexpr (std::is_same_v<acc_t, float>) {
           const acc_t* kr = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
-          // (the far fetch where the rows are read in place, not from a packed copy)
-          cpu::dot_rows(qr.data(), R, E, kr, ldk, n, s, n, far_fetch && p.k_stride.col == 1);
+          // (the far fetch and the next tile's rows where the rows are read in place, not from a packed copy)
+          const bool in_place = static_cast<const void*>(kr) == static_cast<const void*>(k_tile);
+          cpu::dot_rows(qr.data(), R, E, kr, ldk, n, s, n, far_fetch && in_place, in_place ? rows_after : 0);
         } else {
           const acc_t* kr = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
           for (int64_t r = 0; r < R; ++r)
@@ -344,10 +348,9 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
           if (done) continue;
           if constexpr (kHalfBits)
             done = cpu::acc_rows_16(s, R, n, n, reinterpret_cast<const uint16_t*>(v_tile), p.v_stride.row, Ev, o, Ev,
-                                    std::is_same_v<scalar_t, c10::BFloat16>, far_fetch);
+                                    std::is_same_v<scalar_t, c10::BFloat16>, far_fetch, rows_after);
           else if constexpr (std::is_same_v<scalar_t, float>)
-            done = cpu::acc_rows(s, R, n, n, v_tile, p.v_stride.row, Ev, o, Ev, far_fetch,
-                                 p.block_table == nullptr ? j_hi - j0 - n : 0);  // (the split's next tile)
+            done = cpu::acc_rows(s, R, n, n, v_tile, p.v_stride.row, Ev, o, Ev, far_fetch, rows_after);
           if (done) continue;
         }
         const int64_t step = tile_needs_pack<scalar_t, acc_t>(p.v_stride.col) ? kVRows : n;

@@ -139,11 +139,14 @@ float exp2_sub_sum(float* x, int64_t n, float mul, float sub);
 
 // rows_cpu.cpp (the scores) and rows_values_cpu.cpp (P V), for the decode
 // kernel (far_fetch: the far fetch of rows_avx512.h, for calls whose K and V
-// do not stay in the caches):
+// do not stay in the caches; rows_after: key or value rows after the n
+// that the caller reads next (its next tile, adjacent), which the routines
+// fetch a block or a chunk of ahead; 0 where there are none or they lie
+// elsewhere, as a paged pool's next block):
 // s[r * lds + c] = dot(q row r, key row c) for R query rows (R x E, row-major)
 // and n key rows (row stride ldk)
 void dot_rows(const float* q, int64_t R, int64_t E, const float* k, int64_t ldk, int64_t n, float* s, int64_t lds,
-              bool far_fetch);
+              bool far_fetch, int64_t rows_after = 0);
 // the same with bfloat16 (bf16) or float16 key rows, widened in registers
 void dot_rows_16(const float* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
                  int64_t lds, bool bf16, bool far_fetch);
@@ -151,18 +154,15 @@ void dot_rows_16(const float* q, int64_t R, int64_t E, const uint16_t* k, int64_
 // key rows on AVX512-BF16 (vdpbf16ps); false (nothing written) where the
 // path in use lacks it
 bool dot_rows_bf16(const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
-                   int64_t lds, bool far_fetch);
+                   int64_t lds, bool far_fetch, int64_t rows_after = 0);
 // o[r * ldo + c] += sum over j < n of p[r * ldp + j] v[j * ldv + c] for R rows
 // and Ev columns, each value row read whole in address order; false (nothing
 // written) where the path in use has no such routine. acc_rows_16: bfloat16
-// (bf16) or float16 rows of v widened in registers. rows_after: value rows
-// after the n that the caller reads next (its next tile, adjacent), which
-// the AVX2 float32 routine fetches a chunk of ahead; 0 where there are none
-// or they lie elsewhere (a paged pool's next block)
+// (bf16) or float16 rows of v widened in registers. (rows_after: above)
 bool acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v, int64_t ldv, int64_t Ev, float* o,
               int64_t ldo, bool far_fetch, int64_t rows_after = 0);
 bool acc_rows_16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev,
-                 float* o, int64_t ldo, bool bf16, bool far_fetch);
+                 float* o, int64_t ldo, bool bf16, bool far_fetch, int64_t rows_after = 0);
 // dst[i] = float of the bfloat16 / float16 bits src[i] (exact)
 void widen_bf16(const uint16_t* src, int64_t n, float* dst);
 void widen_half(const uint16_t* src, int64_t n, float* dst);

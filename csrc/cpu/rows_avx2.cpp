@@ -263,7 +263,7 @@ MHA_AVX2 void dot_rows_t(const float* q, int64_t R, int64_t E, const Row<kKind>*
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
     const int64_t nc = std::min<int64_t>(16, n - c0);
     const Row<kKind>* kc = k + c0 * ldk;
-    PageFetch page = adjacent ? PageFetch::first_pass(kc, row_bytes, row_bytes, nc, elem, rows::kPerRowColumns * elem, far_fetch)
+    PageFetch page = adjacent ? PageFetch::first_pass(kc, row_bytes, row_bytes, nc, elem, 0, far_fetch)
                               : PageFetch::strided(far_fetch, ldk * elem, row_bytes);
     // 16-bit rows of more than kPerRowColumns columns with two query rows or
     // more: each row's own bytes a page on at the row, as narrower rows, for

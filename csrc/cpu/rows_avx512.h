@@ -201,20 +201,21 @@ MHA_DEFINE_WITH_FIXED_PAGE(with_fixed_page_avx2, "avx2,fma,f16c")
 
 // Float32 query rows in groups of 16, one a lane (rows_lanes_cpu.cpp); each
 // returns how many of the R rows it took (a multiple of 16), the caller
-// takes the rest. AVX-512 only.
+// takes the rest; rows_after as gemm_cpu.h's (the next block or chunk past
+// the n rows is fetched from them). AVX-512 only.
 // S (R x n, row stride lds) = Q (R x E, dense) K^T (K: n rows, row stride ldk).
 int64_t dot_rows_lanes(const float* q, int64_t R, int64_t E, const float* k, int64_t ldk, int64_t n, float* s,
-                       int64_t lds);
+                       int64_t lds, int64_t rows_after);
 // O (R x Ev, row stride ldo) += P (R x n, row stride ldp) V (n rows, row stride ldv).
 int64_t acc_rows_lanes(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v, int64_t ldv, int64_t Ev,
-                       float* o, int64_t ldo);
+                       float* o, int64_t ldo, int64_t rows_after);
 // The same for bfloat16 rows on AVX512-BF16 (kind 3 of rows_cpu.cpp): Q and K
 // as bit patterns (dot_rows_lanes_bf16 takes none where E is odd), V with P
 // rounded to bfloat16.
 int64_t dot_rows_lanes_bf16(const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n,
-                            float* s, int64_t lds);
+                            float* s, int64_t lds, int64_t rows_after);
 int64_t acc_rows_lanes_bf16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv,
-                            int64_t Ev, float* o, int64_t ldo);
+                            int64_t Ev, float* o, int64_t ldo, int64_t rows_after);
 
 }  // namespace rows
 }  // namespace cpu

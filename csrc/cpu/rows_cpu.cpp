@@ -223,12 +223,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
                                                                         int64_t R, int64_t E,
                                                                         const typename ScoreKind<kKind>::K* k,
                                                                         int64_t ldk, int64_t n, float* s, int64_t lds,
-                                                                        bool far_fetch) {
+                                                                        bool far_fetch, int64_t rows_after = 0) {
   const bool adjacent = ldk == E;
   // float32, and bfloat16 on AVX512-BF16, groups of 16 rows: one a lane (rows_lanes_cpu.cpp)
   int64_t r_t = 0;
-  if constexpr (kKind == 0) r_t = rows::dot_rows_lanes(q, R, E, k, ldk, n, s, lds);
-  if constexpr (kKind == 3) r_t = rows::dot_rows_lanes_bf16(q, R, E, k, ldk, n, s, lds);
+  if constexpr (kKind == 0) r_t = rows::dot_rows_lanes(q, R, E, k, ldk, n, s, lds, rows_after);
+  if constexpr (kKind == 3) r_t = rows::dot_rows_lanes_bf16(q, R, E, k, ldk, n, s, lds, rows_after);
   if (r_t >= R) return;
   q += r_t * E, R -= r_t, s += r_t * lds;
   // rows not adjacent in memory: each block's first pass fetches the next
@@ -240,7 +240,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
     int64_t ahead = std::clamp<int64_t>(n - c0 - 16, 0, 16);  // rows of the next block
     const int64_t row_bytes = E * static_cast<int64_t>(sizeof(*k));
     // the first pass's page-ahead fetch; later passes take none
-    const PageFetch page = adjacent ? PageFetch::first_pass(k + c0 * ldk, row_bytes, row_bytes, nc, sizeof(*k), R >= 2 ? rows::kPerRowBytes : 0, far_fetch)
+    const int64_t per_row = R >= 2 ? rows::kPerRowBytes : 0;
+    const PageFetch page = adjacent ? PageFetch::first_pass(k + c0 * ldk, row_bytes, row_bytes, nc, sizeof(*k),
+                                                            per_row, far_fetch)
                                     : PageFetch::strided(far_fetch, ldk * static_cast<int64_t>(sizeof(*k)), row_bytes),
                     none;
     if (!adjacent && !spread)
@@ -288,11 +290,12 @@ __attribute__((target("avx512f"))) void widen_half_avx512(const uint16_t* src, i
 }  // namespace
 
 void dot_rows(const float* q, int64_t R, int64_t E, const float* k, int64_t ldk, int64_t n, float* s, int64_t lds,
-              bool far_fetch) {
+              bool far_fetch, int64_t rows_after) {
 #if MHA_X86
-  if (active_isa() >= Isa::kAvx512) return dot_rows_avx512<0>(q, R, E, k, ldk, n, s, lds, far_fetch);
+  if (active_isa() >= Isa::kAvx512) return dot_rows_avx512<0>(q, R, E, k, ldk, n, s, lds, far_fetch, rows_after);
   if (active_isa() >= Isa::kAvx2) return avx2::dot_rows(q, R, E, k, avx2::RowKind::kFloat, ldk, n, s, lds, far_fetch);
 #endif
+  (void)rows_after;
   dot_rows_generic(q, R, E, k, ldk, n, s, lds);
 }
 
@@ -309,15 +312,15 @@ void dot_rows_16(const float* q, int64_t R, int64_t E, const uint16_t* k, int64_
 }
 
 bool dot_rows_bf16(const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
-                   int64_t lds, bool far_fetch) {
+                   int64_t lds, bool far_fetch, int64_t rows_after) {
 #if MHA_X86
   static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
   if (active_isa() >= Isa::kAvx512 && has_bf16) {
-    dot_rows_avx512<3>(q, R, E, k, ldk, n, s, lds, far_fetch);
+    dot_rows_avx512<3>(q, R, E, k, ldk, n, s, lds, far_fetch, rows_after);
     return true;
   }
 #endif
-  (void)q, (void)R, (void)E, (void)k, (void)ldk, (void)n, (void)s, (void)lds, (void)far_fetch;
+  (void)q, (void)R, (void)E, (void)k, (void)ldk, (void)n, (void)s, (void)lds, (void)far_fetch, (void)rows_after;
   return false;
 }
 

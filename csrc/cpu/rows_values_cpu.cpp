@@ -209,14 +209,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 template <int kKind>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const float* p, int64_t R, int64_t n,
                                                                          int64_t ldp, const void* v, int64_t ldv,
-                                                                         int64_t Ev, float* o, int64_t ldo, bool far_fetch) {
+                                                                         int64_t Ev, float* o, int64_t ldo, bool far_fetch,
+                                                                         int64_t rows_after = 0) {
   if constexpr (kKind == 0) {  // float32, groups of 16 rows: one a lane (rows_lanes_cpu.cpp)
-    const int64_t r_t = rows::acc_rows_lanes(p, R, n, ldp, static_cast<const float*>(v), ldv, Ev, o, ldo);
+    const int64_t r_t = rows::acc_rows_lanes(p, R, n, ldp, static_cast<const float*>(v), ldv, Ev, o, ldo, rows_after);
     if (r_t >= R) return;
     p += r_t * ldp, o += r_t * ldo, R -= r_t;
   }
   if constexpr (kKind == 3) {  // bfloat16 on AVX512-BF16, groups of 16 rows: one a lane
-    const int64_t r_t = rows::acc_rows_lanes_bf16(p, R, n, ldp, static_cast<const uint16_t*>(v), ldv, Ev, o, ldo);
+    const int64_t r_t =
+        rows::acc_rows_lanes_bf16(p, R, n, ldp, static_cast<const uint16_t*>(v), ldv, Ev, o, ldo, rows_after);
     if (r_t >= R) return;
     p += r_t * ldp, o += r_t * ldo, R -= r_t;
   }
@@ -237,9 +239,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
       const int64_t rb0 = pass_rows(R, cols);
       const bool spread = ldv != Ev && (rb0 == 4 || rb0 == 2);
       // the first pass's page-ahead fetch; later passes take none
-      const PageFetch page =
-                          ldv == Ev ? PageFetch::first_pass(vc, ldv_bytes, cols * elem, nj, elem, R >= 2 ? rows::kPerRowBytes : 0, far_fetch)
-                                    : PageFetch::strided(far_fetch, ldv_bytes, cols * elem),
+      const int64_t per_row = R >= 2 ? rows::kPerRowBytes : 0;
+      const PageFetch page = ldv == Ev ? PageFetch::first_pass(vc, ldv_bytes, cols * elem, nj, elem, per_row, far_fetch)
+                                       : PageFetch::strided(far_fetch, ldv_bytes, cols * elem),
                       none;
       if (ldv != Ev && !spread) {
         fetch_rows_l2(vc + kValueKeys * ldv_bytes, ldv_bytes, std::exchange(ahead, 0), cols * elem);
@@ -287,7 +289,7 @@ bool acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v,
               int64_t ldo, bool far_fetch, int64_t rows_after) {
 #if MHA_X86
   if (active_isa() >= Isa::kAvx512) {
-    acc_rows_avx512<0>(p, R, n, ldp, v, ldv, Ev, o, ldo, far_fetch);
+    acc_rows_avx512<0>(p, R, n, ldp, v, ldv, Ev, o, ldo, far_fetch, rows_after);
     return true;
   }
   if (active_isa() >= Isa::kAvx2) {
@@ -301,11 +303,11 @@ bool acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v,
 }
 
 bool acc_rows_16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev,
-                 float* o, int64_t ldo, bool bf16, bool far_fetch) {
+                 float* o, int64_t ldo, bool bf16, bool far_fetch, int64_t rows_after) {
 #if MHA_X86
   static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
   if (bf16 && active_isa() >= Isa::kAvx512 && has_bf16) {
-    acc_rows_avx512<3>(p, R, n, ldp, v, ldv, Ev, o, ldo, far_fetch);
+    acc_rows_avx512<3>(p, R, n, ldp, v, ldv, Ev, o, ldo, far_fetch, rows_after);
     return true;
   }
   if (active_isa() >= Isa::kAvx512) {
@@ -318,7 +320,8 @@ bool acc_rows_16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16
     return true;
   }
 #endif
-  (void)p, (void)R, (void)n, (void)ldp, (void)v, (void)ldv, (void)Ev, (void)o, (void)ldo, (void)bf16, (void)far_fetch;
+  (void)p, (void)R, (void)n, (void)ldp, (void)v, (void)ldv, (void)Ev, (void)o, (void)ldo, (void)bf16, (void)far_fetch,
+      (void)rows_after;
   return false;
 }
 
