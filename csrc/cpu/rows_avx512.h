@@ -10,8 +10,6 @@
 #include "x86_intrinsics.h"
 
 #if MHA_X86
-#include <cpuid.h>
-
 namespace mha_ext {
 namespace cpu {
 namespace rows {
@@ -178,35 +176,6 @@ struct PageFetch {
     return f;
   }
 };
-
-// Whether the AVX-512 routines' first pass over adjacent rows of row_bytes
-// (elements of elem_bytes), for R query rows, takes the far fetch alone: no
-// page-ahead fetch into L1 beside it. So on AMD CPUs of family 25 (those
-// with AVX-512: Zen 4) for calls with the far fetch, over rows of at most
-// kPerRowBytes: with one query row, rows of up to kPerRowColumns columns;
-// with more, rows of more (16-bit rows of 128 columns). There the L1 fetch
-// a page ahead only added to what the far fetch had put in L2. Against
-// both, interleaved (AMD EPYC of family 25 model 17, 2 threads, single
-// calls of 64-512 MiB and 12 layers' caches of 6 MiB, bit-identical): one
-// row of 12 x 12 x 64, 16 x 16 x 64 and 32 x 32 x 64 heads, float32
-// 1.02-1.18x, bfloat16 1.00-1.21x (16 runs each); four bfloat16 rows of
-// 128 columns (32 x 8 x 128 heads) 0.94-1.17x, 1.06 in the median of 12
-// runs. Not for one bfloat16 row of 128 columns (8 x 8 x 128 heads,
-// 0.95-1.17x, 0.98 in the median), rows of 512 bytes (float32 of 128
-// columns, 0.93-1.05x), nor several rows of 64 columns (four bfloat16 rows
-// of 12 x 12 x 64 heads 0.87-0.91x with no page-ahead fetch); float16 not
-// timed. Other CPUs not measured, so they keep both (docs/performance.md,
-// "Decoding on an AMD EPYC of family 25 model 17").
-inline bool far_fetch_alone(bool far_fetch, int64_t R, int64_t row_bytes, int64_t elem_bytes) {
-  static const bool amd_family_25 = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541u) return false;  // "Auth" of AuthenticAMD
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
-    return ((a >> 8) & 0xFu) + ((a >> 20) & 0xFFu) == 25;  // base family + extended family
-  }();
-  const bool narrow = row_bytes <= kPerRowColumns * elem_bytes;
-  return amd_family_25 && far_fetch && row_bytes <= kPerRowBytes && (R == 1 ? narrow : !narrow);
-}
 
 // f(page) with page's fields as constants the compiler sees, where page is
 // one of the forms a pass of adjacent rows of row_bytes takes (none, the

@@ -241,11 +241,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void dot_rows_avx512(const 
     const int64_t row_bytes = E * static_cast<int64_t>(sizeof(*k));
     // the first pass's page-ahead fetch; later passes take none
     const int64_t per_row = R >= 2 ? rows::kPerRowBytes : 0;
-    PageFetch page = adjacent ? PageFetch::first_pass(k + c0 * ldk, row_bytes, row_bytes, nc, sizeof(*k), per_row,
-                                                      far_fetch)
-                              : PageFetch::strided(far_fetch, ldk * static_cast<int64_t>(sizeof(*k)), row_bytes);
-    if (adjacent && rows::far_fetch_alone(far_fetch, R, row_bytes, sizeof(*k))) page.block = {}, page.bytes = 0;
-    const PageFetch none;
+    const PageFetch page = adjacent ? PageFetch::first_pass(k + c0 * ldk, row_bytes, row_bytes, nc, sizeof(*k),
+                                                            per_row, far_fetch)
+                                    : PageFetch::strided(far_fetch, ldk * static_cast<int64_t>(sizeof(*k)), row_bytes),
+                    none;
     if (!adjacent && !spread)
       fetch_rows_l2(k + (c0 + 16) * ldk, ldk * static_cast<int64_t>(sizeof(*k)), std::exchange(ahead, 0),
                     E * static_cast<int64_t>(sizeof(*k)));

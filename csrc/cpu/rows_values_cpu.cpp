@@ -240,10 +240,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void acc_rows_avx512(const 
       const bool spread = ldv != Ev && (rb0 == 4 || rb0 == 2);
       // the first pass's page-ahead fetch; later passes take none
       const int64_t per_row = R >= 2 ? rows::kPerRowBytes : 0;
-      PageFetch page = ldv == Ev ? PageFetch::first_pass(vc, ldv_bytes, cols * elem, nj, elem, per_row, far_fetch)
-                                 : PageFetch::strided(far_fetch, ldv_bytes, cols * elem);
-      if (ldv == Ev && rows::far_fetch_alone(far_fetch, R, cols * elem, elem)) page.block = {}, page.bytes = 0;
-      const PageFetch none;
+      const PageFetch page = ldv == Ev ? PageFetch::first_pass(vc, ldv_bytes, cols * elem, nj, elem, per_row, far_fetch)
+                                       : PageFetch::strided(far_fetch, ldv_bytes, cols * elem),
+                      none;
       if (ldv != Ev && !spread) {
         fetch_rows_l2(vc + kValueKeys * ldv_bytes, ldv_bytes, std::exchange(ahead, 0), cols * elem);
       }
