@@ -314,7 +314,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
         } else if constexpr (std::is_same_v<acc_t, float>) {
           const acc_t* kr = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);
           // (the far fetch and the next tile's rows where the rows are read in place, not from a packed copy)
-          const bool in_place = static_cast<const void*>(kr) == static_cast<const void*>(k_tile);
+          const bool in_place = p.k_stride.col == 1;
           cpu::dot_rows(qr.data(), R, E, kr, ldk, n, s, n, far_fetch && in_place, in_place ? rows_after : 0);
         } else {
           const acc_t* kr = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, k_buf.data(), &ldk);

