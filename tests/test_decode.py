@@ -36,8 +36,7 @@ SHAPES = [
     (1, 16, 2, 1, 200, 20, 13),     # 8 rows, 13 value columns: a whole vector and a partial one
     (1, 32, 8, 1, 8200, 128, 128),  # past 32 MiB of float32 K/V (bfloat16: 32.03): rows also fetched 24 KiB ahead
     (1, 12, 12, 1, 2900, 64, 64),   # 64-column rows past 4 MiB (float32 17 MiB, bfloat16 8.5): their far fetch
-    # passes of 4 rows a 128-bit lane (score_group) on whole blocks, the last partial block by score_block;
-    # 16-bit value rows of 128 columns in 64-column pieces
+    # score passes of 4 rows (score_block's 4 x 4 sub-blocks), a partial last block
     (2, 8, 2, 1, 300, 64, 64),      # 4 rows of 64 columns
     (1, 12, 1, 1, 900, 128, 128),   # 12 rows (4 + 4 + 4): the second pass fetches the next block
 ]
