@@ -49,6 +49,17 @@ constexpr int64_t kFromMemoryBytes = 32 * 1024 * 1024;
 // back, in the caches, 0.97-1.01x. Wider rows gained nothing there (32 x 8 x 128 heads of
 // float32 from memory 1.00x) and lost up to 0.85x in the caches, so they keep
 // the 32 MiB gate (docs/performance.md, "The far fetch for narrow rows").
+// Except 16-bit rows of up to 128 columns, adjacent, with two query rows or
+// more a key/value head, which also take it from 4 MiB on, fetching their
+// own bytes a page ahead with it (PageFetch::first_pass): against the 32
+// MiB gate and the block's spread lines, interleaved (AMD EPYC of family 25
+// model 17, 2 threads, bit-identical): 2-4 bfloat16 rows of 32 x 8 x 128
+// (16 x 8, 24 x 8) heads over 6 layers' caches of 8k keys 1.26-1.49x, 12
+// layers' of 2k 1.28-1.43x, float16 1.03-1.18x; the AVX2 path 1.31-1.46x;
+// past 32 MiB (B = 4, 32k keys, the far fetch before too) 1.12-1.23x; one
+// call back to back in the caches 0.92-0.96x. A (B, S, H, D) cache's rows
+// lost so (0.79-0.93x) and keep the 32 MiB gate (docs/performance.md,
+// "Decoding on an AMD EPYC of family 25 model 17").
 constexpr int64_t kFarNarrowBytes = 4 * 1024 * 1024;
 
 // The decode kernel's per-thread buffers (rows of Q, scores, O and its
@@ -184,7 +195,8 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   const int64_t item_bytes = std::max<int64_t>(item_keys * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t)), 1);
   const int64_t grain = std::max<int64_t>(1, kGroupBytes / item_bytes);
   // the far fetch where the call reads K/V from memory (past kFromMemoryBytes,
-  // or kFarNarrowBytes for rows of at most 64 columns; each batch's own key
+  // or kFarNarrowBytes for rows of at most 64 columns and adjacent 16-bit
+  // rows of up to 128 with several rows a head; each batch's own key
   // count where a KV cache gives them) in adjacent rows outside a paged pool
   // (24 KiB on from a block's rows lies in whatever block is next)
   int64_t read_bytes =
@@ -197,7 +209,10 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
     }
     read_bytes = keys * Hkv * (E + Ev) * static_cast<int64_t>(sizeof(scalar_t));
   }
-  const int64_t far_from = std::max(E, Ev) <= 64 ? kFarNarrowBytes : kFromMemoryBytes;
+  const bool adjacent_rows = p.k_stride.col == 1 && p.k_stride.row == E && p.v_stride.col == 1 && p.v_stride.row == Ev;
+  const bool far_early =
+      std::max(E, Ev) <= 64 || (sizeof(scalar_t) == 2 && R >= 2 && std::max(E, Ev) <= 128 && adjacent_rows);
+  const int64_t far_from = far_early ? kFarNarrowBytes : kFromMemoryBytes;
   const bool far_fetch = p.block_table == nullptr && read_bytes > far_from;
   // A KV cache's batches may hold very different key counts, and then
   // at::parallel_for's fixed ranges of items give one thread the long ones.

@@ -101,14 +101,16 @@ struct RowFetch {
 //   another), and float32 rows of 64 columns ran 1.14x in the caches
 //   against the spread form (1.01-1.03x from memory). So do 16-bit rows of
 //   up to kPerRowBytes bytes (128 columns) where the caller passes that
-//   limit (two query rows or more a pass set) and the call takes no far
-//   fetch: since the blocks' fixed-E forms (with_fixed_page, which the
-//   spread form never takes), against the spread form, interleaved (AMD
-//   EPYC of family 25 model 17, 2 threads, bit-identical): four bfloat16
-//   rows of 32 x 8 x 128 heads at 2k keys 1.30-1.36x in the caches, float16
-//   1.17x; over 12 layers' caches (from memory, no far fetch) 0.99-1.02x;
-//   one row a head lost there (0.79x) and keeps the spread form, as do
-//   calls with the far fetch (0.89-0.90x);
+//   limit (two query rows or more a pass set): since the blocks' fixed-E
+//   forms (with_fixed_page, which the spread form never takes), against
+//   the spread form, interleaved (AMD EPYC of family 25 model 17, 2
+//   threads, bit-identical): four bfloat16 rows of 32 x 8 x 128 heads at
+//   2k keys 1.30-1.36x in the caches, float16 1.17x; over 12 layers' caches
+//   (from memory, no far fetch) 0.99-1.02x; one row a head lost there
+//   (0.79x) and keeps the spread form. With the far fetch too (first timed
+//   at 0.89-0.90x in single calls past 32 MiB; since such rows take the far
+//   fetch from 4 MiB, decode_cpu.cpp, 1.12-1.49x from memory, the figures
+//   there);
 // - longer rows take the block's lines a few at each key (`block`, a
 //   RowFetch over the same lines; the routines keep a local copy of it, in
 //   registers): float32 at 128 columns 1.03-1.10x the per-row form from
@@ -155,7 +157,7 @@ struct PageFetch {
   // `stride` bytes apart from `first` (rows of elements of elem_bytes),
   // row_bytes of each read, in the form above; with the far fetch where far_fetch.
   // Rows up to per_row_bytes apart (or kPerRowColumns columns, whichever is
-  // more) fetch their own bytes; with the far fetch only the latter.
+  // more) fetch their own bytes, with the far fetch or without.
   // Rows `stride` bytes apart that are not adjacent (a (B, S, H, D) KV
   // cache): no page-ahead fetch (their other fetches are the callers'), and
   // with far_fetch the row kFarRows keys on into L2.
@@ -168,7 +170,7 @@ struct PageFetch {
                               int64_t per_row_bytes, bool far_fetch) {
     PageFetch f;
     if (far_fetch) f.far_bytes = row_bytes;
-    if (stride > std::max(far_fetch ? 0 : per_row_bytes, kPerRowColumns * elem_bytes))
+    if (stride > std::max(per_row_bytes, kPerRowColumns * elem_bytes))
       f.block = RowFetch<_MM_HINT_T0>(static_cast<const char*>(first) + kFetchAhead, stride, row_bytes, 0,
                                       rows * ((row_bytes + 63) / 64), rows);
     else
