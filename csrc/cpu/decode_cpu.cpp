@@ -53,11 +53,12 @@ constexpr int64_t kFromMemoryBytes = 32 * 1024 * 1024;
 // more a key/value head, which also take it from 4 MiB on, fetching their
 // own bytes a page ahead with it (PageFetch::first_pass): against the 32
 // MiB gate and the block's spread lines, interleaved (AMD EPYC of family 25
-// model 17, 2 threads, bit-identical): 2-4 bfloat16 rows of 32 x 8 x 128
-// (16 x 8, 24 x 8) heads over 6 layers' caches of 8k keys 1.26-1.49x, 12
-// layers' of 2k 1.28-1.43x, float16 1.03-1.18x; the AVX2 path 1.31-1.46x;
-// past 32 MiB (B = 4, 32k keys, the far fetch before too) 1.12-1.23x; one
-// call back to back in the caches 0.92-0.96x. A (B, S, H, D) cache's rows
+// model 17, 2 threads, bit-identical): 2-8 bfloat16 rows of 32 x 8 x 128
+// (16 x 8, 24 x 8) heads over 6 layers' caches of 8k keys 1.14-1.49x, 12
+// layers' of 2k-4k 1.11-1.43x, 4 of 32k 1.19x, float16 1.03-1.18x; the AVX2
+// path 1.31-1.46x; single calls past 32 MiB (the far fetch before too)
+// 0.89-1.23x in six runs, median 1.03; one call back to back in the caches
+// 0.92-0.96x. A (B, S, H, D) cache's rows
 // lost so (0.79-0.93x) and keep the 32 MiB gate (docs/performance.md,
 // "Decoding on an AMD EPYC of family 25 model 17").
 constexpr int64_t kFarNarrowBytes = 4 * 1024 * 1024;

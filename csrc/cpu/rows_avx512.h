@@ -108,9 +108,9 @@ struct RowFetch {
 //   2k keys 1.30-1.36x in the caches, float16 1.17x; over 12 layers' caches
 //   (from memory, no far fetch) 0.99-1.02x; one row a head lost there
 //   (0.79x) and keeps the spread form. With the far fetch too (first timed
-//   at 0.89-0.90x in single calls past 32 MiB; since such rows take the far
-//   fetch from 4 MiB, decode_cpu.cpp, 1.12-1.49x from memory, the figures
-//   there);
+//   at 0.89-0.90x in single calls past 32 MiB, 0.89-1.23x there since;
+//   with the far fetch from 4 MiB for such rows, decode_cpu.cpp, 1.11-1.49x
+//   over several layers' caches from memory, the figures there);
 // - longer rows take the block's lines a few at each key (`block`, a
 //   RowFetch over the same lines; the routines keep a local copy of it, in
 //   registers): float32 at 128 columns 1.03-1.10x the per-row form from
