@@ -58,9 +58,10 @@ constexpr int64_t kFromMemoryBytes = 32 * 1024 * 1024;
 // layers' of 2k-4k 1.11-1.43x, 4 of 32k 1.19x, float16 1.03-1.18x; the AVX2
 // path 1.31-1.46x; single calls past 32 MiB (the far fetch before too)
 // 0.89-1.23x in six runs, median 1.03; one call back to back in the caches
-// 0.92-0.96x. A (B, S, H, D) cache's rows
-// lost so (0.79-0.93x) and keep the 32 MiB gate (docs/performance.md,
-// "Decoding on an AMD EPYC of family 25 model 17").
+// 0.92-0.96x. A (B, S, H, D) cache's rows lost so (0.79-0.93x) and keep the
+// 32 MiB gate (docs/performance.md, "Decoding on an AMD EPYC of family 25
+// model 17"). (128 columns: kPerRowBytes of rows_avx512.h in 16-bit elements,
+// the rows that fetch their own bytes.)
 constexpr int64_t kFarNarrowBytes = 4 * 1024 * 1024;
 
 // The decode kernel's per-thread buffers (rows of Q, scores, O and its
