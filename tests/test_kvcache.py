@@ -101,6 +101,27 @@ def test_kvcache_sixteen_rows_a_group(name):
     torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("hkv,E", [(8, 128), (16, 64)], ids=["8 heads of 128", "16 heads of 64"])
+def test_kvcache_sixteen_rows_with_key_rows_4_kib_apart(hkv, E):
+    # float32 key rows a multiple of 4 KiB apart (Hkv E = 1024 elements): the
+    # 16-row routine copies each block of 16 key rows into a dense block
+    # before its scores (rows_lanes_cpu.cpp); a partial last block, a batch
+    # of fewer keys, and the same bits on one thread
+    q, kc, vc, sl, kn, vn = _make(B=2, S_max=700, hq=4 * hkv, hkv=hkv, E=E, Ev=E, L=4, seqlens=(650, 37))
+    kc0, vc0 = kc.clone(), vc.clone()
+    out, lse = _run(q, kc, vc, sl, kn, vn)
+    ref, ref_lse = _reference(q, kc0, vc0, sl, kn, vn)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-5, atol=2e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(q, kc0.clone(), vc0.clone(), sl, kn, vn)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out, one[0]) and torch.equal(lse, one[1])
+
+
 @pytest.mark.parametrize("dtype,hq,L", [(torch.float32, 8, 1), (torch.float32, 16, 4), (torch.bfloat16, 8, 2),
                                         (torch.bfloat16, 16, 4), (torch.float16, 16, 4)],
                          ids=["float32, one row a head", "float32, 16 rows a head", "bfloat16, 4 rows a head",
