@@ -14,7 +14,10 @@
 //   2 the same, each row also fetched 32 keys on into L2 (the kernel's far
 //     fetch of strided rows);
 //   3 the same, each head's pass also fetching its eighth of the next tile's
-//     bytes in address order, four lines a key, into L2.
+//     bytes in address order, four lines a key, into L2;
+//   4-7 orders 2 and 3 over tiles of 64 keys, then of 32 (the heads in turn
+//     within each smaller tile: an item of all a batch's heads walking its
+//     keys in sub-blocks).
 // Needs AVX-512 (the sums are 512-bit loads).
 #include <immintrin.h>
 
@@ -30,8 +33,8 @@
 
 namespace {
 constexpr size_t kBytes = 64ull << 20;  // of K (and of V) a thread
-constexpr size_t kHeads = 8, kChunk = 256, kRow = kHeads * kChunk, kTile = 256;
-constexpr int kOrders = 4;
+constexpr size_t kHeads = 8, kChunk = 256, kRow = kHeads * kChunk, kTile = 256;  // kTile: the largest tile
+constexpr int kOrders = 8;
 float sink[64 * 16];
 
 __attribute__((target("avx512f"), always_inline)) inline __m512 sum_chunk(const char* p, __m512 a) {
@@ -40,6 +43,7 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 sum_chunk(const 
 }
 
 // one head's pass over a tile of x (K or V) in the order `order` (1-3)
+template <size_t kTile>
 __attribute__((target("avx512f"), always_inline)) inline __m512 head_pass(const char* x, size_t j0, size_t h,
                                                                          int order, __m512 a) {
   constexpr size_t kLinesPerKey = kRow / 64 / kHeads;  // of the next tile, a head's pass: 4
@@ -54,7 +58,8 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 head_pass(const 
   return a;
 }
 
-__attribute__((target("avx512f"))) float read(int order, const char* k, const char* v) {
+template <size_t kTile>
+__attribute__((target("avx512f"))) float read_tiles(int order, const char* k, const char* v) {
   __m512 a = _mm512_setzero_ps();
   for (size_t j0 = 0; j0 < kBytes / kRow; j0 += kTile) {
     if (order == 0) {
@@ -64,12 +69,18 @@ __attribute__((target("avx512f"))) float read(int order, const char* k, const ch
         for (size_t h = 0; h < kHeads; ++h) a = sum_chunk(v + j * kRow + h * kChunk, a);
     } else {
       for (size_t h = 0; h < kHeads; ++h) {
-        a = head_pass(k, j0, h, order, a);
-        a = head_pass(v, j0, h, order, a);
+        a = head_pass<kTile>(k, j0, h, order, a);
+        a = head_pass<kTile>(v, j0, h, order, a);
       }
     }
   }
   return _mm512_reduce_add_ps(a);
+}
+
+float read(int order, const char* k, const char* v) {
+  if (order < 4) return read_tiles<kTile>(order, k, v);
+  const int base = 2 + order % 2;  // 4, 6: rows 32 keys on; 5, 7: the next tile's share
+  return order < 6 ? read_tiles<64>(base, k, v) : read_tiles<32>(base, k, v);
 }
 }  // namespace
 
@@ -111,7 +122,9 @@ int main(int argc, char** argv) {
   sync.arrive_and_wait();
   for (auto& t : pool) t.join();
   const char* names[kOrders] = {"address order", "head after head", "head after head, rows 32 keys on into L2",
-                                "head after head, the next tile's share in address order"};
+                                "head after head, the next tile's share in address order",
+                                "tiles of 64 keys: rows 32 keys on into L2", "tiles of 64 keys: the next tile's share",
+                                "tiles of 32 keys: rows 32 keys on into L2", "tiles of 32 keys: the next tile's share"};
   std::printf("%d threads, %d heads of %zu bytes a key, %zu MiB of K and of V a thread, medians of %d reps\n",
               threads, static_cast<int>(kHeads), kChunk, kBytes >> 20, reps);
   for (int o = 0; o < kOrders; ++o) {
