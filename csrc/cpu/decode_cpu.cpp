@@ -107,7 +107,18 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   const scalar_t* v = static_cast<const scalar_t*>(p.v);
   // the key tiles some row may see, and the splits: runs of whole tiles (from
   // the longest key count of a KV cache; a split past a shorter one is empty)
-  const int64_t kv_begin = visible_kv_begin(p, 0) / kBlockN * kBlockN, kv_end = visible_kv_end(p, 0, L);
+  const int64_t kv_begin = visible_kv_begin(p, 0) / kBlockN * kBlockN;
+  // (with a bool mask, up to the last tile it shows some row of the call: a
+  // static KV cache's masked rows past its length are neither read nor split
+  // over; the tiles it hides from all of an item's rows are skipped below)
+  int64_t kv_end = visible_kv_end(p, 0, L);
+  if (p.mask_kind == MaskKind::kBool && p.seqlens_k == nullptr) {
+    int64_t shown = kv_begin;
+    for (int64_t b = 0; b < (p.mask_stride.b == 0 ? 1 : p.batch); ++b)
+      for (int64_t hk = 0; hk < (p.mask_stride.h == 0 ? 1 : Hkv); ++hk)
+        shown = std::max(shown, bool_mask_keys_end(p, b, hk * G, G, 0, L, std::max(shown, kv_begin), kv_end));
+    kv_end = std::min(kv_end, shown);
+  }
   // (with a KV cache one more: a batch's visible keys may start at another
   // offset within a tile when a window or the bottom-right corner moves them)
   const int64_t tiles = (kv_end > kv_begin ? (kv_end - kv_begin + kBlockN - 1) / kBlockN : 0) +
@@ -233,7 +244,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   // the keys [j_lo, j_hi) split `split` of a sequence reads (sp: its params)
   auto split_keys = [&](const AttentionFwdParams& sp, int64_t split) {
     const int64_t j_lo = visible_kv_begin(sp, 0) / kBlockN * kBlockN + split * split_tiles * kBlockN;
-    return std::make_pair(j_lo, std::min(visible_kv_end(sp, 0, L), j_lo + split_tiles * kBlockN));
+    return std::make_pair(j_lo, std::min({visible_kv_end(sp, 0, L), kv_end, j_lo + split_tiles * kBlockN}));
   };
   bool claim = false;
   if (p.seqlens_k != nullptr) {  // the keys each thread's fixed range would read
@@ -300,6 +311,8 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
       const auto [j_lo, j_hi] = split_keys(sp, split);
       for (int64_t j0 = j_lo; j0 < j_hi; j0 += kBlockN) {
         const int64_t n = std::min(kBlockN, j_hi - j0);
+        // a tile a bool mask hides from all the item's rows adds nothing: K and V not read
+        if (p.mask_kind == MaskKind::kBool && bool_mask_hides_tile(p, b, hk * G, G, 0, L, j0, n)) continue;
         int64_t ldk = 0, ldv = 0;
         // (in a paged cache a tile lies in one block: its rows are evenly strided from kv_offset)
         const scalar_t* v_tile = v + p.kv_offset(p.v_stride, b, hk, j0);

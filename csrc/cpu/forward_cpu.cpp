@@ -80,6 +80,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   // a (1, L, L) float mask, 12 heads x 64: L = 1024 53.2 vs 59.3 ms, L = 2048
   // 221 vs 228; at L = 512 (a 1 MiB mask) 18.4 vs 18.3 with 20 heads.
   const bool heads_inner = shared_mask_outgrows_l2<scalar_t>(p);
+  const bool bool_mask = p.mask_kind == MaskKind::kBool;
   // A single query row (decoding: one row against the whole cache) without GQA
   // take their scores as dot products with K's rows, read in place, instead
   // of packing K^T of the whole head for them: packing costs as much as the
@@ -143,6 +144,8 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
       const int64_t chunk_kv_end = visible_kv_end(sp, c0, cm);
       for (int64_t j0 = visible_kv_begin(sp, c0) / kBlockN * kBlockN; j0 < chunk_kv_end; j0 += kBlockN) {
         const int64_t n = std::min(kBlockN, chunk_kv_end - j0);
+        // (and the tiles a bool mask hides from all the chunk's rows: bool_mask_hides_tile)
+        if (bool_mask && bool_mask_hides_tile(sp, b, h, 1, c0, cm, j0, n)) continue;
         const scalar_t* v_tile = v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row;
         const acc_t* k_t = kt_head.data() + j0;  // K^T of the tile, (E x n), row stride ldkt
         const uint16_t* k_bf_tile = k_bf.data() + 2 * j0;  // AMX: pair rows, ld_kbf apart
@@ -156,6 +159,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
           const int64_t i0 = c0 + r0, m = std::min(kBlockM, cm - r0);
           const int64_t nq = std::min(n, visible_kv_end(sp, i0, m) - j0);  // causal: fewer columns
           if (nq <= 0 || visible_kv_begin(sp, i0) >= j0 + n) continue;     // the block sees none of the tile
+          if (bool_mask && bool_mask_hides_tile(sp, b, h, 1, i0, m, j0, nq)) continue;  // nor does the mask show it
           acc_t* s = s_buf.data();
           acc_t* o_blk = o_acc.data() + r0 * ldo;
           const int64_t lds = amx ? round32(nq) : nq;  // S row stride

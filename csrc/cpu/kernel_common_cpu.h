@@ -293,6 +293,51 @@ MHA_CPU_CLONES void apply_bool_mask_f(float* s, const bool* m, int64_t n) {
 
 // The one score transform of the CPU kernels (AttentionVariant), on scores
 // s[0 .. n) of row i against keys j0 .. j0 + n, already scaled into the
+// Whether a bool mask hides keys [j0, j0 + n) from query rows i0 .. i0 +
+// rows - 1 of heads h0 .. h0 + G - 1 of batch b (every entry false): such a
+// tile adds nothing to those rows (transform_row would make all its scores
+// -inf), so a kernel may skip it without reading K or V, as it skips the
+// tiles a window or causal alignment hides. The case: transformers' mask
+// over a StaticCache's rows past its length; a decode step against 256 keys
+// of a 4096-row cache read all 4096 (1,016 us where the call on the 256 rows
+// took 74; float32, 32 x 8 x 128 heads, bench/results/2026-12-07/hf-static-zen4.md).
+// Rows and heads a broadcast (stride 0) repeats are checked once.
+inline bool bool_mask_hides_tile(const AttentionFwdParams& p, int64_t b, int64_t h0, int64_t G, int64_t i0,
+                                 int64_t rows, int64_t j0, int64_t n) {
+  const unsigned char* base = static_cast<const unsigned char*>(p.mask) + b * p.mask_stride.b +
+                              h0 * p.mask_stride.h + i0 * p.mask_stride.row + j0 * p.mask_stride.col;
+  const int64_t heads = p.mask_stride.h == 0 ? 1 : G, cs = p.mask_stride.col;
+  rows = p.mask_stride.row == 0 ? std::min<int64_t>(rows, 1) : rows;
+  for (int64_t g = 0; g < heads; ++g)
+    for (int64_t i = 0; i < rows; ++i) {
+      const unsigned char* m = base + g * p.mask_stride.h + i * p.mask_stride.row;
+      uint64_t any = 0;
+      int64_t c = 0;
+      if (cs == 1) {  // eight entries a load
+        for (; c + 8 <= n; c += 8) {
+          uint64_t w;
+          std::memcpy(&w, m + c, 8);
+          any |= w;
+        }
+      }
+      for (; c < n; ++c) any |= m[c * cs];
+      if (any != 0) return false;
+    }
+  return true;
+}
+
+// The end of the last tile of kBlockN keys from j_begin (j_begin a multiple
+// of kBlockN, the tiles before j_end) that a bool mask shows some of those
+// rows, or j_begin where it shows them none: the tiles from the end backwards.
+inline int64_t bool_mask_keys_end(const AttentionFwdParams& p, int64_t b, int64_t h0, int64_t G, int64_t i0,
+                                  int64_t rows, int64_t j_begin, int64_t j_end) {
+  for (int64_t j0 = j_begin + (std::max<int64_t>(j_end - j_begin, 1) - 1) / kBlockN * kBlockN; j0 >= j_begin;
+       j0 -= kBlockN)
+    if (j0 < j_end && !bool_mask_hides_tile(p, b, h0, G, i0, rows, j0, std::min(kBlockN, j_end - j0)))
+      return std::min(j0 + kBlockN, j_end);
+  return j_begin;
+}
+
 // kernel's units (`unit` per natural unit): softcap, ALiBi, then the float
 // mask added (mask_in_units) or the bool mask applied, and -inf on the keys
 // the row may not see (causal alignment and window).
