@@ -234,6 +234,44 @@ def test_emul_decode_kernel_warps_share_the_key_tiles(backend, shape, dtype, mon
             torch.testing.assert_close(lse, cpu_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape,dtype", [((3, 8, 2, 1, 600, 64, 64), torch.float16),
+                                         ((3, 2, 2, 3, 600, 128, 96), torch.bfloat16)],
+                         ids=["a GQA group packed", "3 rows a head"])
+def test_emul_decode_kernel_stops_at_the_last_key_a_bool_mask_shows(backend, shape, dtype, monkeypatch):
+    # transformers' StaticCache: a (N, 1, L, S_max) bool mask hides the rows past
+    # each batch's length. The decode kernel reads keys only up to the last one
+    # the mask shows its rows (bool_mask_keys_end), split over by the key
+    # splits: NaN keys and infinite values past it change nothing (the CPU
+    # kernels skip them too). Against the CPU backend and the float64 reference.
+    for name in ("MHA_EXT_CUDA_DECODE", "MHA_EXT_CUDA_FWD_WARP_ROWS", "MHA_EXT_CUDA_FWD_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    torch.manual_seed(17)
+    n, hq, hkv, L, S = shape[:5]
+    q, k, v = make(shape, dtype)
+    mask = torch.zeros(n, 1, L, S, dtype=torch.bool)
+    for i in range(L):
+        mask[0, 0, i, :130 + 40 * i] = True  # a prefix a row, the last row's the longest
+    mask[2, 0, :, 200:330] = True  # batch 1 sees no key: 0, lse -inf
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 400:] = float("nan")  # past the last shown key of every batch
+    v2[:, :, 400:] = float("inf")
+    args = (q, k, v, mask, 0.0, False, None, hq != hkv)
+    cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(*args)
+    refs = references(q, k, v, enable_gqa=hq != hkv, mask=mask)
+    for splits in ("1", "3", "auto"):
+        monkeypatch.setenv("MHA_EXT_CUDA_KV_SPLITS", splits)
+        if not isinstance(backend, OnCuda):
+            backend.launched_shared()
+        out, lse, _ = backend.attention(*args)
+        if not isinstance(backend, OnCuda):
+            assert backend.launched_shared()[0] == decode_shared_bytes(max(shape[5], shape[6]))
+        assert_all_like_cpu(out, cpu_out, refs, dtype)
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and (lse[1] == float("-inf")).all()
+        torch.testing.assert_close(lse, cpu_lse, rtol=1e-5, atol=1e-5)
+        out2, lse2, _ = backend.attention(q, k2, v2, mask, 0.0, False, None, hq != hkv)
+        assert torch.equal(out2, out) and torch.equal(lse2, lse), splits
+
+
 @pytest.mark.parametrize("splits", ["1", "3"])
 def test_emul_decode_kernel_hostile_rows(backend, splits, monkeypatch):
     # The decode kernel (float16, a GQA group of 8 packed): logits of about

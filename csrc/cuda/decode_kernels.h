@@ -62,6 +62,13 @@ MHA_KERNEL MHA_LAUNCH_BOUNDS((2 * TileConfig<T, kHeadDim>::kFwdBlockN), kHeadDim
   // scores beyond the scaled dot product and the band: masked_score's path
   const bool general = p.mask_kind != MaskKind::kNone || p.variant.changes_scores();
   const int64_t i_last = i0 + kM - 1 < L ? i0 + kM - 1 : L - 1;
+  // the key tiles some row of the block may see (with a bool mask, up to the
+  // last key it shows: bool_mask_keys_end); with key splits this split's run of them (below)
+  const int64_t vis_first = p.variant.begin(i0) / kN * kN;
+  const int64_t vis_end = p.mask_kind == MaskKind::kBool
+                              ? bool_mask_keys_end(p, b, h, i0, i_last, vis_first, p.variant.end(i_last, S),
+                                                   reinterpret_cast<int*>(kv_s))
+                              : p.variant.end(i_last, S);
 
   auto copy_tile = [](T* dst, int k_rows, const T* src, int64_t rs, int64_t cs, int64_t rows, int64_t cols) {
     load_tile_async<T>(dst, kLd, k_rows, kHeadDim, src, rs, cs, rows, cols);
@@ -76,9 +83,6 @@ MHA_KERNEL MHA_LAUNCH_BOUNDS((2 * TileConfig<T, kHeadDim>::kFwdBlockN), kHeadDim
   // (at 256 they and O would take 192 registers: loaded each tile there)
   constexpr bool kQInRegisters = kHeadDim <= 128;
   uint32_t qa[kQInRegisters ? kKT : 1][4];
-  // the key tiles some row of the block may see; with key splits this split's run of them
-  const int64_t vis_end = p.variant.end(i_last, S);
-  const int64_t vis_first = p.variant.begin(i0) / kN * kN;
   const int64_t run = p.kv_splits > 1 && vis_end > vis_first
                           ? ((vis_end - vis_first + kN - 1) / kN + p.kv_splits - 1) / p.kv_splits * kN : 0;
   const int64_t j_first = vis_first + split * run;

@@ -38,6 +38,45 @@ MHA_DEVICE A masked_score(const AttentionFwdParams& p, int64_t b, int64_t h, int
   return x;
 }
 
+// The end of the last key in [j_lo, j_hi) that a bool mask shows some row
+// i_lo .. i_hi of head (b, h), or j_lo where it shows none: every thread of
+// the block scans keys from the end, a thread a key, and the block takes the
+// largest (scratch: an int a warp of shared memory, free until the call
+// returns). A decode step against transformers' StaticCache, whose rows past
+// its length the mask hides, then reads only the rows written (as the CPU
+// kernels, kernel_common_cpu.h's bool_mask_hides_tile).
+MHA_DEVICE int64_t bool_mask_keys_end(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i_lo, int64_t i_hi,
+                                      int64_t j_lo, int64_t j_hi, int* scratch) {
+  const int tid = static_cast<int>(thread_idx().x), threads = static_cast<int>(block_dim().x);
+  const int64_t rs = p.mask_stride.row, cs = p.mask_stride.col;
+  const int rows = rs == 0 ? 1 : static_cast<int>(i_hi - i_lo + 1);  // (rows a broadcast repeats, once)
+  const bool* m0 = as<bool>(p.mask) + b * p.mask_stride.b + h * p.mask_stride.h + i_lo * rs + j_lo * cs;
+  int last = -1;  // this thread's largest shown key, from j_lo
+  for (int x = static_cast<int>(j_hi - j_lo) - 1 - tid; x >= 0; x -= threads) {
+    bool shown = false;
+    for (int r = 0; r < rows; ++r) shown = shown || m0[r * rs + x * cs];
+    if (shown) {
+      last = x;
+      break;
+    }
+  }
+  for (int d = kWarpSize / 2; d > 0; d /= 2) {
+    const int other = shfl_xor(last, d);
+    last = other > last ? other : last;
+  }
+  const int warps = (threads + kWarpSize - 1) / kWarpSize;
+  if (tid % kWarpSize == 0) scratch[tid / kWarpSize] = last;
+  sync_threads();
+  if (tid == 0) {
+    for (int w = 1; w < warps; ++w) last = scratch[w] > last ? scratch[w] : last;
+    scratch[warps] = last;
+  }
+  sync_threads();
+  const int block_last = scratch[warps];  // (read at one address by every thread: a value of the block)
+  sync_threads();  // every thread has read it before the scratch is used again
+  return j_lo + block_last + 1;
+}
+
 // Whether every score of rows [i_lo, i_hi] and keys [j_lo, j_hi] is the
 // scaled dot product alone: inside the lengths and the causal / window band,
 // no mask, no softcap or ALiBi. Such tiles skip masked_score's per-element
