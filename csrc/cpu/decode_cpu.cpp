@@ -116,7 +116,7 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
     int64_t shown = kv_begin;
     for (int64_t b = 0; b < (p.mask_stride.b == 0 ? 1 : p.batch); ++b)
       for (int64_t hk = 0; hk < (p.mask_stride.h == 0 ? 1 : Hkv); ++hk)
-        shown = std::max(shown, bool_mask_keys_end(p, b, hk * G, G, 0, L, std::max(shown, kv_begin), kv_end));
+        shown = std::max(shown, bool_mask_keys_end(p, b, hk * G, G, 0, L, shown, kv_end));
     kv_end = std::min(kv_end, shown);
   }
   // (with a KV cache one more: a batch's visible keys may start at another

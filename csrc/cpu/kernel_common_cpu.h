@@ -291,8 +291,6 @@ MHA_CPU_CLONES void apply_bool_mask_f(float* s, const bool* m, int64_t n) {
   for (int64_t c = 0; c < n; ++c) s[c] = m[c] ? s[c] : kNegInf;
 }
 
-// The one score transform of the CPU kernels (AttentionVariant), on scores
-// s[0 .. n) of row i against keys j0 .. j0 + n, already scaled into the
 // Whether a bool mask hides keys [j0, j0 + n) from query rows i0 .. i0 +
 // rows - 1 of heads h0 .. h0 + G - 1 of batch b (every entry false): such a
 // tile adds nothing to those rows (transform_row would make all its scores
@@ -331,13 +329,15 @@ inline bool bool_mask_hides_tile(const AttentionFwdParams& p, int64_t b, int64_t
 // rows, or j_begin where it shows them none: the tiles from the end backwards.
 inline int64_t bool_mask_keys_end(const AttentionFwdParams& p, int64_t b, int64_t h0, int64_t G, int64_t i0,
                                   int64_t rows, int64_t j_begin, int64_t j_end) {
-  for (int64_t j0 = j_begin + (std::max<int64_t>(j_end - j_begin, 1) - 1) / kBlockN * kBlockN; j0 >= j_begin;
-       j0 -= kBlockN)
-    if (j0 < j_end && !bool_mask_hides_tile(p, b, h0, G, i0, rows, j0, std::min(kBlockN, j_end - j0)))
+  if (j_end <= j_begin) return j_begin;
+  for (int64_t j0 = j_begin + (j_end - j_begin - 1) / kBlockN * kBlockN; j0 >= j_begin; j0 -= kBlockN)
+    if (!bool_mask_hides_tile(p, b, h0, G, i0, rows, j0, std::min(kBlockN, j_end - j0)))
       return std::min(j0 + kBlockN, j_end);
   return j_begin;
 }
 
+// The one score transform of the CPU kernels (AttentionVariant), on scores
+// s[0 .. n) of row i against keys j0 .. j0 + n, already scaled into the
 // kernel's units (`unit` per natural unit): softcap, ALiBi, then the float
 // mask added (mask_in_units) or the bool mask applied, and -inf on the keys
 // the row may not see (causal alignment and window).

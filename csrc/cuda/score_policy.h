@@ -41,8 +41,10 @@ MHA_DEVICE A masked_score(const AttentionFwdParams& p, int64_t b, int64_t h, int
 // The end of the last key in [j_lo, j_hi) that a bool mask shows some row
 // i_lo .. i_hi of head (b, h), or j_lo where it shows none: every thread of
 // the block scans keys from the end, a thread a key, and the block takes the
-// largest (scratch: an int a warp of shared memory, free until the call
-// returns). A decode step against transformers' StaticCache, whose rows past
+// largest (scratch: an int a warp and one more of shared memory, free until
+// the call returns; the block's result is read from that one more word by
+// every thread, so that ptxas knows it for a value of the block: taken from
+// each thread's own reduction, the decode kernel spilled). A decode step against transformers' StaticCache, whose rows past
 // its length the mask hides, then reads only the rows written (as the CPU
 // kernels, kernel_common_cpu.h's bool_mask_hides_tile).
 MHA_DEVICE int64_t bool_mask_keys_end(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i_lo, int64_t i_hi,
