@@ -146,6 +146,14 @@ struct AttentionFwdParams {
   int64_t kv_splits = 1;
   void* part_out = nullptr;  // (kv_splits, B, Hq, L, Ev), the accumulation type
   void* part_ml = nullptr;   // (2, kv_splits, B, Hq, L): max (in the softmax's units), then sum
+  // CUDA only: where a bool mask shows keys (score_policy.h's
+  // mask_ranges_kernel, run before the launch; null: not known): for each 16
+  // query rows the keys [lo, hi) it shows some of them, and (the backward)
+  // for each 16 keys the rows it shows them to; (Bm, Hm, groups, 2), the
+  // mask's batches and heads (1 where it broadcasts them, and one group for
+  // a broadcast row or key index)
+  const int32_t* mask_row_keys = nullptr;
+  const int32_t* mask_key_rows = nullptr;
   DropoutParams dropout;
 
   // lse (and the CUDA backward's per-row buffers) of row i of (b, h) sit at

@@ -90,6 +90,21 @@ def backend(request):
     return _load_emulation() if request.param == "emul" else OnCuda()
 
 
+# The dynamic shared bytes of the bool mask's range scan (launch.h's
+# launch_mask_ranges: 2 ints for each of its 4 warps), which no attention
+# kernel has: how the launch log tells its launches from theirs.
+MASK_SCAN_SHARED = 2 * 4 * 4
+
+
+def attention_launches(backend):
+    """(grids, shared bytes) of the emulated launches since the last call,
+    without the bool mask's range scans that come before the forward and
+    backward kernels: grids flat, (x, y, z) a launch, as launched_grids."""
+    grids, shared = backend.launched_grids(), backend.launched_shared()
+    keep = [i for i, s in enumerate(shared) if s != MASK_SCAN_SHARED]
+    return [g for i in keep for g in grids[3 * i:3 * i + 3]], [shared[i] for i in keep]
+
+
 def forward_block(d, len_q, plain, rows="auto"):
     """(query rows, threads) of a 16-bit forward block (launch.h) under
     MHA_EXT_CUDA_FWD_ROWS=rows: the plain kernel's warps take 32 rows, the

@@ -506,3 +506,77 @@ def test_emul_padding_rows_and_batch_varying_mask(backend, dtype, is_causal):
     grads = run_backward(backend, q, k, v, out, lse, go, mask, is_causal=is_causal, mask_grad=True)
     (ref_out, ref_grads), (eager_out, eager_grads) = references(q, k, v, go, mask=mask, is_causal=is_causal)
     assert_near_reference([out] + list(grads), [ref_out] + ref_grads, [eager_out] + eager_grads, dtype)
+
+
+def _tile_hiding_masks(n, h, L, S):
+    """Bool masks that hide whole key tiles (64 keys) from every row of a
+    batch, and the keys each poisons: those outside every row's shown range,
+    past the last shown key's tile or before the first one's."""
+    static = torch.zeros(n, 1, L, S, dtype=torch.bool)
+    for i in range(L):
+        static[0, 0, i, :100 + i] = True  # a StaticCache: rows past the length (and causal)
+    static[1, 0, :, 140:260] = True  # a left-padded batch, a shorter length
+    static[2, 0, 20:, 10:30] = True  # rows 0-19 see no key
+    pad = torch.zeros(n, 1, 1, S, dtype=torch.bool)
+    pad[0, ..., :190], pad[1, ..., 70:], pad[2, ..., 5:60] = True, True, True
+    heads = torch.rand(n, h, L, S, generator=torch.Generator().manual_seed(3)) > 0.4
+    heads[:, :, :, 256:] = False
+    heads[1, :, :, :128] = False
+    heads[2, 1] = False  # a head that sees nothing
+    masks = {"static_cache": static, "padding": pad.expand(n, 1, L, S), "per_head": heads}
+    poisoned = {}
+    for name, m in masks.items():
+        shown = m.expand(n, h, L, S).any(2).any(1)  # (n, S): keys some row of the batch sees
+        keys = torch.zeros(n, S, dtype=torch.bool)
+        for b in range(n):
+            idx = shown[b].nonzero().flatten()
+            lo, hi = (idx.min().item() // 64 * 64, (idx.max().item() // 64 + 1) * 64) if len(idx) else (S, S)
+            keys[b, :lo], keys[b, hi:] = True, True
+        poisoned[name] = keys
+    return masks, poisoned
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("mask_name", ["static_cache", "padding", "per_head"])
+def test_emul_bool_mask_ranges_skip_hidden_tiles(backend, dtype, mask_name, monkeypatch):
+    # The general forward, the key-block backward and the dQ kernel take
+    # only the key tiles (query tiles) from the first to the last key (row) a
+    # bool mask shows their block (score_policy.h's mask_ranges_kernel, run
+    # before them): a StaticCache's rows past its length, a left-padded
+    # batch's leading keys, the keys of a fully hidden head. Outputs, lse and
+    # gradients against the CPU backend and the float64 reference; NaN keys
+    # and infinite values in those tiles change nothing (they turned the
+    # output NaN when every tile was read), as on the CPU.
+    monkeypatch.delenv("MHA_EXT_CUDA_FWD_WARP_ROWS", raising=False)
+    n, h, L, S = 3, 2, 80, 400
+    q, k, v = make((n, h, h, L, S, 64, 48), dtype)
+    masks, poisoned = _tile_hiding_masks(n, h, L, S)
+    mask, bad = masks[mask_name], poisoned[mask_name]
+    assert bad.any(1).all()  # every batch has poisoned tiles
+    out, lse, _ = backend.attention(q, k, v, mask, 0.0, False, None)
+    cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, mask, 0.0, False, None)
+    go = torch.randn_like(out)
+    refs = references(q, k, v, mask=mask)
+    assert_all_like_cpu(out, cpu_out, refs, dtype)
+    assert torch.equal(torch.isinf(lse), torch.isinf(cpu_lse))
+    torch.testing.assert_close(lse, cpu_lse, rtol=1e-5, atol=1e-5)
+    cpu = run_backward(torch.ops.mha_ext, q, k, v, cpu_out, cpu_lse, go, mask)
+    k2, v2 = k.clone(), v.clone()
+    k2[bad[:, None].expand(n, h, S)] = float("nan")
+    v2[bad[:, None].expand(n, h, S)] = float("inf")
+    out2, lse2, _ = backend.attention(q, k2, v2, mask, 0.0, False, None)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    before = torch.are_deterministic_algorithms_enabled()
+    for deterministic in (False, True):
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            ours = run_backward(backend, q, k, v, cpu_out, cpu_lse, go, mask)
+            ours2 = run_backward(backend, q, k2, v2, cpu_out, cpu_lse, go, mask)
+        finally:
+            torch.use_deterministic_algorithms(before)
+        assert_all_like_cpu(ours[:3], cpu[:3], references(q, k, v, go, mask=mask), dtype)
+        keep = ~bad[:, None, :, None]
+        assert torch.equal(ours2[0], ours[0]), deterministic
+        for a, b in zip(ours2[1:3], ours[1:3]):  # dK, dV of the poisoned keys: 0, their P is 0
+            assert torch.equal(torch.where(keep, a, 0), torch.where(keep, b, 0)), deterministic
+            assert (a.masked_select(~keep) == 0).all(), deterministic

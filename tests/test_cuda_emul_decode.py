@@ -10,7 +10,7 @@ import torch
 
 import mha_ext  # noqa: F401  (registers torch.ops.mha_ext)
 import reference as R
-from cuda_backends import (DTYPES, OnCuda, assert_all_like_cpu, assert_like_cpu, backend,  # noqa: F401
+from cuda_backends import (DTYPES, OnCuda, assert_all_like_cpu, assert_like_cpu, attention_launches, backend,  # noqa: F401
                            make, references)
 
 
@@ -54,9 +54,9 @@ def test_emul_key_splits_match_the_reference(backend, dtype, shape, monkeypatch)
             if isinstance(backend, OnCuda):
                 out, lse, _ = backend.attention(*args)
             else:
-                backend.launched_grids()
+                attention_launches(backend)
                 out, lse, _ = backend.attention(*args)
-                grids = backend.launched_grids()
+                grids = attention_launches(backend)[0]
                 # one query block, times the splits (at most one a key tile) on grid x, then the combine
                 want = min(int(splits), -(-S // tile))
                 assert grids[0] == want and len(grids) == (3 if want == 1 else 6), (name, splits, grids)
@@ -148,9 +148,9 @@ def test_emul_decode_packs_a_gqa_group_into_one_block(backend, dtype, monkeypatc
                     rng, win[0], win[1], True, case.get("softcap", 0.0), case.get("alibi_slopes"))
             if isinstance(backend, OnCuda):
                 return backend.attention(*args)[:2], None
-            backend.launched_grids()
+            attention_launches(backend)
             result = backend.attention(*args)[:2]
-            return result, backend.launched_grids()
+            return result, attention_launches(backend)[0]
 
         (out, lse), grids = call(k, v, True)
         (out_u, lse_u), grids_u = call(kr, vr, False)
@@ -224,9 +224,9 @@ def test_emul_decode_kernel_warps_share_the_key_tiles(backend, shape, dtype, mon
             if isinstance(backend, OnCuda):
                 out, lse, _ = backend.attention(*args)
             else:
-                backend.launched_grids(), backend.launched_shared()
+                attention_launches(backend)
                 out, lse, _ = backend.attention(*args)
-                grids, shared = backend.launched_grids(), backend.launched_shared()
+                grids, shared = attention_launches(backend)
                 ran_decode = shared[0] == decode_shared_bytes(max(shape[5], shape[6]))
                 assert ran_decode == (decode == "auto") and grids[0] == int(splits), (name, decode, splits, grids)
             assert_all_like_cpu(out, cpu_out, refs, dtype)

@@ -200,8 +200,12 @@ MHA_KERNEL attention_bwd_kernel(const AttentionBwdParams params) {
   zero(dv);
 
   // the query tiles with a row that may see one of this block's keys
-  const int64_t i_first = p.variant.rows_begin(j0);
-  const int64_t rows_end = p.variant.rows_end((j0 + kB < S ? j0 + kB : S) - 1, L);
+  int64_t i_first = p.variant.rows_begin(j0);
+  int64_t rows_end = p.variant.rows_end((j0 + kB < S ? j0 + kB : S) - 1, L);
+  // and from the first to the last row a bool mask shows some of the block's keys
+  if (p.mask_key_rows != nullptr)
+    narrow_to_mask_range(p.mask_key_rows, p.mask_stride, true, p.heads_q, S, kB, b, h, j0, 1, i_first, rows_end,
+                         reinterpret_cast<int64_t*>(p_s));  // (P^T: not written yet)
   stream_tiles<kStages>(i_first, rows_end, kB, issue, [&](int64_t i0, int stage) {
     const T* q_s = q_tile(stage);
     const T* do_s = q_s + kB * kLd;
@@ -382,8 +386,12 @@ MHA_UNROLL
 
   A dq[kCT][4];
   zero(dq);
-  const int64_t j_first = p.variant.begin(i0) / kB * kB;
-  const int64_t kv_end = p.variant.end((i0 + kB < L ? i0 + kB : L) - 1, S);
+  int64_t j_first = p.variant.begin(i0) / kB * kB;
+  int64_t kv_end = p.variant.end((i0 + kB < L ? i0 + kB : L) - 1, S);
+  // and from the first to the last key a bool mask shows some row of the block
+  if (p.mask_row_keys != nullptr)
+    narrow_to_mask_range(p.mask_row_keys, p.mask_stride, false, p.heads_q, L, kB, b, h, i0, kB, j_first, kv_end,
+                         reinterpret_cast<int64_t*>(k_tile(0)));  // (the K/V stages: no copy in flight yet)
   stream_tiles<kStages>(j_first, kv_end, kB, issue, [&](int64_t j0, int stage) {
     const T* k_s = k_tile(stage);
     const T* v_s = k_s + kB * kLd;

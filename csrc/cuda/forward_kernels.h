@@ -96,8 +96,12 @@ MHA_UNROLL
     l_run[rt][0] = l_run[rt][1] = A(0);
   }
   // the key tiles some row of the block may see (causal alignment, window)
-  const int64_t vis_end = p.variant.end((i0 + kM < L ? i0 + kM : L) - 1, S);
-  const int64_t vis_first = p.variant.begin(i0) / kN * kN;
+  int64_t vis_end = p.variant.end((i0 + kM < L ? i0 + kM : L) - 1, S);
+  int64_t vis_first = p.variant.begin(i0) / kN * kN;
+  // and from the first to the last key a bool mask shows some row of the block
+  if (!kPlain && p.mask_row_keys != nullptr)
+    narrow_to_mask_range(p.mask_row_keys, p.mask_stride, false, p.heads_q, L, kM, b, h, i0, kN, vis_first, vis_end,
+                         nullptr);
   // with key splits, this split's run of those tiles (empty past the last)
   const int64_t run = p.kv_splits > 1 && vis_end > vis_first
                           ? ((vis_end - vis_first + kN - 1) / kN + p.kv_splits - 1) / p.kv_splits * kN : 0;

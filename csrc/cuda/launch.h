@@ -4,7 +4,7 @@
 //
 // Instantiations: 4 element types x 3 head dims x 3 kernels (fwd, bwd, bwd_dq)
 // + 4 plain forward kernels (16-bit types at head dims 64 and 128) + 6
-// decode kernels (16-bit types) + 4 bwd_dot + 4 combine = 54 per architecture.
+// decode kernels (16-bit types) + 4 bwd_dot + 4 combine + 1 mask_ranges = 55 per architecture.
 #pragma once
 
 #include "attention_kernels.h"
@@ -290,6 +290,39 @@ int64_t fwd_kv_splits(const AttentionFwdParams& p, int64_t resident) {
   return std::clamp<int64_t>(std::min(wave / blocks, tiles / kMinSplitTiles), 1, kMaxSplits);
 }
 
+// A bool mask's shown ranges (score_policy.h's mask_ranges_kernel) are
+// found before the forward and backward kernels of a dense call (not varlen,
+// a KV cache or the decode kernel, which scans the mask itself): their int32
+// words for rows in blocks of `group` (keys_grouped false: the keys each
+// block of rows is shown) or keys in blocks; 0 where a call takes none.
+inline int64_t mask_range_words(const AttentionFwdParams& p, bool keys_grouped, int group) {
+  if (p.mask_kind != MaskKind::kBool || p.cu_seqlens_q != nullptr || p.seqlens_k != nullptr ||
+      p.block_table != nullptr || p.len_q <= 0 || p.len_kv <= 0 || p.len_q > INT32_MAX || p.len_kv > INT32_MAX)
+    return 0;
+  const Strides4& s = p.mask_stride;
+  return 2 * (s.b == 0 ? 1 : p.batch) * (s.h == 0 ? 1 : p.heads_q) *
+         mask_groups(keys_grouped ? s.col : s.row, keys_grouped ? p.len_kv : p.len_q, group);
+}
+template <typename Check>
+void launch_mask_ranges(const AttentionFwdParams& p, bool keys_grouped, int group, int32_t* out, Stream stream,
+                        Check&& check) {
+  MaskRangeParams m;
+  m.mask = static_cast<const bool*>(p.mask);
+  m.stride_b = p.mask_stride.b;
+  m.stride_h = p.mask_stride.h;
+  m.stride_g = keys_grouped ? p.mask_stride.col : p.mask_stride.row;
+  m.stride_x = keys_grouped ? p.mask_stride.row : p.mask_stride.col;
+  m.heads = p.mask_stride.h == 0 ? 1 : p.heads_q;
+  m.len_g = static_cast<int>(keys_grouped ? p.len_kv : p.len_q);
+  m.len_x = static_cast<int>(keys_grouped ? p.len_q : p.len_kv);
+  m.group = group;
+  m.out = out;
+  constexpr int kWarps = 4;
+  const int64_t blocks = mask_range_words(p, keys_grouped, group) / 2;  // a block a range
+  check(launch_kernel(mask_ranges_kernel<kWarps>, dim3(static_cast<unsigned>(blocks)), dim3(32 * kWarps),
+                      2 * kWarps * sizeof(int), stream, m));
+}
+
 // The forward, and with key splits the combine kernel after it. workspace(n)
 // returns n bytes of device memory for the splits' partial results, valid
 // for work queued on `stream` (torch's caching allocator). `check` receives
@@ -315,10 +348,21 @@ void launch_attention_fwd(const AttentionFwdParams& params, Stream stream, Check
     p.kv_splits = fwd_kv_splits<T, kHeadDim>(
         p, fwd_resident_blocks(decode ? decode_shared_bytes<T, kHeadDim>() : C::fwd_shared_bytes(C::kFwdWarps)));
     const int64_t bh = p.batch * p.heads_q, rows = bh * p.len_q;
-    if (p.kv_splits > 1) {
-      const int64_t parts = p.kv_splits * rows;
-      p.part_out = workspace(static_cast<size_t>(parts * (p.head_dim_v + 2)) * sizeof(A));
-      p.part_ml = static_cast<A*>(p.part_out) + parts * p.head_dim_v;
+    // one workspace: the bool mask's ranges (256-byte aligned), then the key splits' partial results
+    const int64_t range_words = decode ? 0 : mask_range_words(p, false, 16 * slices);
+    const size_t range_bytes = (static_cast<size_t>(range_words) * sizeof(int32_t) + 255) / 256 * 256;
+    const int64_t parts = p.kv_splits > 1 ? p.kv_splits * rows : 0;
+    const size_t part_bytes = static_cast<size_t>(parts * (p.head_dim_v + 2)) * sizeof(A);
+    if (range_bytes + part_bytes > 0) {
+      char* w = static_cast<char*>(workspace(range_bytes + part_bytes));
+      if (range_words > 0) {
+        p.mask_row_keys = reinterpret_cast<int32_t*>(w);
+        launch_mask_ranges(p, false, 16 * slices, reinterpret_cast<int32_t*>(w), stream, check);
+      }
+      if (parts > 0) {
+        p.part_out = w + range_bytes;
+        p.part_ml = static_cast<A*>(p.part_out) + parts * p.head_dim_v;
+      }
     }
     // query blocks (times the key splits) on x; the (batch, head) pairs on y, spilling into z past kGridYMax
     const int64_t y = std::min<int64_t>(bh, kGridYMax);
@@ -352,10 +396,12 @@ void launch_attention_fwd(const AttentionFwdParams& params, Stream stream, Check
 }
 
 // D = rowsum(dO * O) into p.row_dot, then the key-block kernel, then (when
-// p.grad_q_accum is null) the deterministic dQ kernel. `check` receives each
+// p.grad_q_accum is null) the deterministic dQ kernel; before them, with a
+// bool mask, its shown ranges (launch_mask_ranges) in workspace(n), n bytes
+// of device memory valid for work queued on `stream`. `check` receives each
 // launch's status.
-template <typename T, typename Check>
-void launch_attention_bwd(const AttentionBwdParams& params, Stream stream, Check&& check) {
+template <typename T, typename Check, typename Workspace>
+void launch_attention_bwd(const AttentionBwdParams& params, Stream stream, Check&& check, Workspace&& workspace) {
   AttentionBwdParams p = params;
   p.scalar_operands = scalar_operands_requested();
   if constexpr (std::is_same_v<T, float>) p.fp32_math = fp32_math_requested();
@@ -368,6 +414,16 @@ void launch_attention_bwd(const AttentionBwdParams& params, Stream stream, Check
     using C = TileConfig<T, kHeadDim>;
     const dim3 block(32 * C::kBwdWarps);
     const size_t smem = bwd_shared_bytes<T, kHeadDim>();
+    // the bool mask's ranges: the keys of each query block (the dQ kernel's),
+    // the rows of each key block (the key-block kernel's)
+    const int64_t row_words = mask_range_words(p, false, C::kBwdBlock), key_words = mask_range_words(p, true, C::kBwdBlock);
+    if (row_words > 0) {
+      int32_t* w = static_cast<int32_t*>(workspace(static_cast<size_t>(row_words + key_words) * sizeof(int32_t)));
+      p.mask_row_keys = w;
+      p.mask_key_rows = w + row_words;
+      launch_mask_ranges(p, false, C::kBwdBlock, w, stream, check);
+      launch_mask_ranges(p, true, C::kBwdBlock, w + row_words, stream, check);
+    }
     check(launch_kernel(attention_bwd_kernel<T, kHeadDim>, dim3(bh, row_blocks(p.len_kv, C::kBwdBlock)), block,
                         smem, stream, p));
     if (p.grad_q_accum == nullptr)

@@ -79,6 +79,124 @@ MHA_DEVICE int64_t bool_mask_keys_end(const AttentionFwdParams& p, int64_t b, in
   return j_lo + block_last + 1;
 }
 
+// A bool mask's shown ranges, found before the forward and backward
+// launches (launch.h): for each block of `group` along one index of the
+// mask (a kernel's query block of rows, or key block) the range [lo, hi) of
+// the other index (keys, or rows) that it shows to some of the block; lo =
+// len_x, hi = 0 where it shows none. The general forward and the dQ kernel
+// take their key tiles from the first key to the last one shown, the
+// key-block backward its query tiles from the first row to the last one
+// shown (narrow_to_mask_range): a StaticCache's rows past its length, a
+// left-padded batch's leading keys, and under a causal or banded mask given
+// as a bool mask the tiles past the band are neither read nor computed, as
+// the CPU kernels skip tiles a bool mask hides (kernel_common_cpu.h's
+// bool_mask_hides_tile); a non-finite value there no longer reaches the
+// output. One pass over the mask: the block's threads scan its columns from
+// both ends of the scanned index at once and stop at the first shown one (a
+// StaticCache's hidden rows are read from the end up to its last written one).
+struct MaskRangeParams {
+  const bool* mask = nullptr;
+  int64_t stride_b = 0, stride_h = 0;  // the mask's, in elements (0: broadcast)
+  int64_t stride_g = 0, stride_x = 0;  // along the grouped and the scanned index
+  int64_t heads = 1;                   // the mask's heads (1 where broadcast)
+  int len_g = 0, len_x = 0;            // extents of the grouped and the scanned index
+  int group = 16;                      // indices of the grouped index a range
+  int32_t* out = nullptr;              // (batches, heads, groups, 2): lo, hi
+};
+// the ranges a (batch, head) pair has: one where the grouped index broadcasts
+MHA_HOST_DEVICE int64_t mask_groups(int64_t stride_g, int64_t len_g, int64_t group) {
+  return stride_g == 0 ? 1 : (len_g + group - 1) / group;
+}
+
+// Grid: a block a group of each (batch, head) pair of the mask, groups
+// fastest; kWarps warps a block; shared: 2 ints a warp.
+template <int kWarps>
+MHA_KERNEL mask_ranges_kernel(const MaskRangeParams p) {
+  const int tid = static_cast<int>(thread_idx().x), threads = kWarpSize * kWarps;
+  const int64_t groups = mask_groups(p.stride_g, p.len_g, p.group);
+  const int64_t bh = block_idx().x / groups, g = block_idx().x % groups;
+  const int g0 = static_cast<int>(g) * p.group;
+  const int rows = p.stride_g == 0 ? 1 : (p.len_g - g0 < p.group ? p.len_g - g0 : p.group);
+  const int n = p.stride_x == 0 ? 1 : p.len_x;  // (a broadcast index: its one entry stands for all)
+  const bool* m0 = p.mask + bh / p.heads * p.stride_b + bh % p.heads * p.stride_h + g0 * p.stride_g;
+  auto shown = [&](int x) {
+    bool any = false;
+    for (int r = 0; r < rows && !any; ++r) any = m0[r * p.stride_g + x * p.stride_x];
+    return any;
+  };
+  int lo = n, hi = 0;
+  for (int x = tid; x < n; x += threads)
+    if (shown(x)) {
+      lo = x;
+      break;
+    }
+  for (int x = n - 1 - tid; x >= 0; x -= threads)
+    if (shown(x)) {
+      hi = x + 1;
+      break;
+    }
+  for (int d = kWarpSize / 2; d > 0; d /= 2) {
+    const int other_lo = shfl_xor(lo, d), other_hi = shfl_xor(hi, d);
+    lo = other_lo < lo ? other_lo : lo;
+    hi = other_hi > hi ? other_hi : hi;
+  }
+  int* scratch = dynamic_shared<int>();
+  if (tid % kWarpSize == 0) scratch[2 * (tid / kWarpSize)] = lo, scratch[2 * (tid / kWarpSize) + 1] = hi;
+  sync_threads();
+  if (tid != 0) return;
+  for (int w = 1; w < kWarps; ++w) {
+    lo = scratch[2 * w] < lo ? scratch[2 * w] : lo;
+    hi = scratch[2 * w + 1] > hi ? scratch[2 * w + 1] : hi;
+  }
+  if (p.stride_x == 0 && hi > lo) lo = 0, hi = p.len_x;
+  if (hi <= lo) lo = p.len_x, hi = 0;
+  int32_t* out = p.out + 2 * (bh * groups + g);
+  out[0] = lo;
+  out[1] = hi;
+}
+
+// [first, end) narrowed to the range of the block of `group` indices of the
+// grouped index (rows, or keys where keys_grouped) that starts at `start`,
+// of (b, h) (mask_ranges_kernel's out for the mask's strides s, which
+// extend len_g along the grouped index): first = max(first, lo rounded down
+// to align), end = min(end, hi). Called by every thread of the block. With
+// `scratch` (two words of shared memory, free until the call returns; two
+// barriers) thread 0 reads the range and every thread reads the result back
+// from there, else every thread reads the range itself; each kernel takes
+// the form its registers allow (ptxas, scripts/kernel_report.py): read
+// directly, the loop bounds of the key-block backward left ptxas's uniform
+// registers and its 16-bit kernels at head dim 64 went from 0 to 76 bytes of
+// spill stores on sm_90 (the backward kernels read back from shared memory,
+// at their registers of before within 2); read back, the general forward
+// went from 168 to 200 registers on sm_90 at head dim 64 (12 -> 8 warps a
+// multiprocessor) and spilled at 256 (it reads directly: registers as before
+// at head dims 64 and 128, 244 -> 254 on sm_90 at 256, no spill).
+MHA_DEVICE void narrow_to_mask_range(const int32_t* ranges, const Strides4& s, bool keys_grouped, int64_t heads,
+                                     int64_t len_g, int64_t group, int64_t b, int64_t h, int64_t start,
+                                     int64_t align, int64_t& first, int64_t& end, int64_t* scratch) {
+  auto narrow = [&](int64_t& f, int64_t& e) {
+    const int64_t stride_g = keys_grouped ? s.col : s.row, groups = mask_groups(stride_g, len_g, group);
+    const int32_t* r = ranges + 2 * (((s.b == 0 ? 0 : b) * (s.h == 0 ? 1 : heads) + (s.h == 0 ? 0 : h)) * groups +
+                                     (stride_g == 0 ? 0 : start / group));
+    const int64_t lo = r[0] / align * align, hi = r[1];
+    f = lo > f ? lo : f;
+    e = hi < e ? hi : e;
+  };
+  if (scratch == nullptr) {
+    narrow(first, end);
+    return;
+  }
+  if (thread_idx().x == 0) {
+    narrow(first, end);
+    scratch[0] = first;
+    scratch[1] = end;
+  }
+  sync_threads();
+  first = scratch[0];
+  end = scratch[1];
+  sync_threads();  // every thread has read them before the scratch is used again
+}
+
 // Whether every score of rows [i_lo, i_hi] and keys [j_lo, j_hi] is the
 // scaled dot product alone: inside the lengths and the causal / window band,
 // no mask, no softcap or ALiBi. Such tiles skip masked_score's per-element

@@ -90,7 +90,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_devic
     const simt::Stream stream = current_stream(query);
     dispatch_device_type(query.scalar_type(), "varlen_attention_backward", [&](auto elem) {
       using T = decltype(elem);
-      device::launch_attention_bwd<T>(p, stream, [](auto status) { check_launch(status); });
+      at::Tensor workspace;
+      device::launch_attention_bwd<T>(p, stream, [](auto status) { check_launch(status); }, [&](size_t bytes) {
+        workspace = at::empty({static_cast<int64_t>(bytes)}, query.options().dtype(at::kByte));
+        return workspace.data_ptr();
+      });
     });
     if (!deterministic) grad_q.copy_(dq_accum);
   }
