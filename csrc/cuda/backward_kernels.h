@@ -313,6 +313,10 @@ MHA_UNROLL
       }
     }
   });
+  if (rows_end <= i_first) {  // no query tile: K and V's copies, never in a group, waited on before the block ends
+    cp_async_commit();
+    cp_async_wait<0>();
+  }
 
   // per query head; the host sums GQA groups
   A* dk_g = static_cast<A*>(p.grad_k) + b * p.grad_k_stride.b + h * p.grad_k_stride.h;
@@ -441,6 +445,10 @@ MHA_UNROLL
                   p.fp32_math);
     }
   });
+  if (kv_end <= j_first) {  // no key tile: Q and dO's copies, never in a group, waited on before the block ends
+    cp_async_commit();
+    cp_async_wait<0>();
+  }
 
   T* dq_g = static_cast<T*>(p.grad_q) + b * p.grad_q_stride.b + h * p.grad_q_stride.h;
 MHA_UNROLL

@@ -219,8 +219,9 @@ static_assert(decode_shared_bytes<f16, 64>() == 39168 && decode_shared_bytes<f16
 // inputs a row's result does not depend on the block it is in (the same key
 // tiles in the same order; a wider causal or window block only adds tiles
 // fully masked for the row, which change nothing): the outputs are
-// bit-identical either way, except with key splits under causal alignment
-// or a window (a block's runs follow its own visible tiles). wide_fits: the
+// bit-identical either way, except with key splits under causal alignment,
+// a window or a bool mask (a block's runs follow its own visible tiles, or
+// the range the mask shows its rows). wide_fits: the
 // GPU's shared memory per block holds the 128-row tiles.
 template <typename T, int kHeadDim>
 int fwd_slices(int64_t len_q, bool wide_fits, int row_tiles) {
@@ -249,7 +250,9 @@ int fwd_slices(int64_t len_q, bool wide_fits, int row_tiles) {
 // blocks of kFwdWarps 16-row slices (64 rows for 16-bit types) whatever the
 // launch's rows per block, so that the count does
 // not move with MHA_EXT_CUDA_FWD_ROWS / MHA_EXT_CUDA_FWD_WARP_ROWS (a
-// non-causal row then sums the same runs of tiles in every layout). (Chosen
+// non-causal row then sums the same runs of tiles in every layout; not
+// with a bool mask, whose shown range each block's runs divide, and which
+// depends on the block's rows). (Chosen
 // without a GPU to measure on: a starting point, not a tuned one.)
 constexpr int64_t kMinSplitTiles = 4, kMaxSplits = 64;
 
@@ -300,8 +303,10 @@ inline int64_t mask_range_words(const AttentionFwdParams& p, bool keys_grouped, 
       p.block_table != nullptr || p.len_q <= 0 || p.len_kv <= 0 || p.len_q > INT32_MAX || p.len_kv > INT32_MAX)
     return 0;
   const Strides4& s = p.mask_stride;
-  return 2 * (s.b == 0 ? 1 : p.batch) * (s.h == 0 ? 1 : p.heads_q) *
-         mask_groups(keys_grouped ? s.col : s.row, keys_grouped ? p.len_kv : p.len_q, group);
+  const int64_t ranges = (s.b == 0 ? 1 : p.batch) * (s.h == 0 ? 1 : p.heads_q) *
+                         mask_groups(keys_grouped ? s.col : s.row, keys_grouped ? p.len_kv : p.len_q, group);
+  // (a block a range on a 1-D grid: past its 2^31 - 1 blocks the kernels read every tile, as without)
+  return ranges <= INT32_MAX ? 2 * ranges : 0;
 }
 template <typename Check>
 void launch_mask_ranges(const AttentionFwdParams& p, bool keys_grouped, int group, int32_t* out, Stream stream,
