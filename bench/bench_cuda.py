@@ -26,6 +26,13 @@ synchronised): what the first session with a GPU runs.
 4. A decode step's key splits swept (auto, 1, 2, 4 ... 64) at 32k keys, the
    same shapes, each call synchronised and 20 calls queued with one wait (the
    GPU's own time a call where it, not the host, is the slower side).
+5. Bool masks (--only masks): MHA_EXT_CUDA_MASK_RANGES auto (each block's
+   tiles from the first to the last key, or row, the mask shows it) against
+   off (every tile read), with torch's memory-efficient backend, forward and
+   forward+backward, bfloat16 8 x 128 heads: a padded batch (a (B, 1, 1, S)
+   key padding mask, lengths spread over 25-100% of S), a causal mask given
+   as a bool mask (L x L, with the padding: transformers' 4-D masks), and
+   prefill against a StaticCache (S = 4 L rows, the first L shown, causal).
 
 Attention FLOPs = 4 B H L S E (forward), halved for causal; backward counted
 as 2.5x forward. Writes markdown to bench/out/cuda.md and prints it.
@@ -284,6 +291,45 @@ def times_or_nan(times, fns, reps):
     return [next(t) if fn in ok else float("nan") for fn in fns]
 
 
+def masks(device, lengths, reps, gflop, times):
+    """Table 5: bool masks with MHA_EXT_CUDA_MASK_RANGES auto and off, and
+    torch's memory-efficient backend; TFLOP/s counted on the full L x S."""
+    dt, H, E = (torch.bfloat16, 8, 128) if device.type == "cuda" else (torch.float32, 2, 16)
+    rows = []
+    for L in lengths:
+        B = batch_for(H, L, E, gflop)
+        lens = torch.linspace(0.25, 1.0, B) if B > 1 else torch.tensor([0.6])
+        pad = torch.arange(L)[None, :] < (lens * L).round().long()[:, None]  # (B, S): keys shown
+        causal = torch.ones(L, L, dtype=torch.bool).tril()
+        cases = {"padding": (pad[:, None, None, :], L),
+                 "causal + padding": (causal[None, None] & pad[:, None, None, :], L),
+                 "StaticCache prefill": (torch.cat([causal, torch.zeros(L, 3 * L, dtype=torch.bool)], 1)[None, None],
+                                         4 * L)}
+        for name, (mask, S) in cases.items():
+            torch.manual_seed(0)
+            q = torch.randn(B, H, L, E, dtype=dt, device=device, requires_grad=True)
+            k, v = (torch.randn(B, H, S, E, dtype=dt, device=device, requires_grad=True) for _ in range(2))
+            g = torch.randn(B, H, L, E, dtype=dt, device=device)
+            m = mask.to(device)
+            for backward in (False, True):
+                def call(f, env=None, ctx=None):
+                    return step(lambda q, k, v, is_causal: f(q, k, v, attn_mask=m), q, k, v, g, False, backward, ctx,
+                                env)
+                fns = [call(mha_ext.scaled_dot_product_attention, {"MHA_EXT_CUDA_MASK_RANGES": "auto"}),
+                       call(mha_ext.scaled_dot_product_attention, {"MHA_EXT_CUDA_MASK_RANGES": "off"}),
+                       call(F.scaled_dot_product_attention,
+                            ctx=lambda: torch_backend("efficient" if device.type == "cuda" else None))]
+                t = times(fns, reps)
+                flops = 4 * B * H * L * S * E * (3.5 if backward else 1.0)
+                tf = [flops / x / 1e12 for x in t]
+                row = [name, L, S, B, "fwd+bwd" if backward else "fwd", f"{tf[0]:.1f}", f"{tf[1]:.1f}", f"{tf[2]:.1f}",
+                       f"{t[1] / t[0]:.2f}", f"{t[2] / t[0]:.2f}"]
+                rows.append(row)
+                print(" | ".join(map(str, row)), flush=True)
+    return table(["mask", "L", "S", "B", "pass", "TFLOP/s ranges auto", "ranges off", "torch efficient",
+                  "off / auto (time)", "efficient / auto (time)"], rows)
+
+
 @contextlib.contextmanager
 def tf32_matmuls(on):
     before = torch.backends.cuda.matmul.fp32_precision
@@ -299,7 +345,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="run on the CPU with tiny sizes (checks the script)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--only", choices=["torch", "switches", "decode", "splits"], help="one table alone")
+    ap.add_argument("--only", choices=["torch", "switches", "decode", "splits", "masks"], help="one table alone")
     ap.add_argument("--gflop", type=float, default=200.0, help="forward work per case, picks the batch")
     args = ap.parse_args()
     if args.dry_run:
@@ -330,6 +376,9 @@ def main():
     if want("splits"):
         lines += ["## Decoding: key splits swept", "",
                   split_sweep(device, dtypes[0], [300] if args.dry_run else [8192, 32768], reps, times), ""]
+    if want("masks"):
+        lines += ["## Bool masks: the ranges they show on and off (bfloat16, 8 x 128 heads)", "",
+                  masks(device, lengths[-2:] if not args.dry_run else lengths, reps, gflop, times), ""]
     write_report("cuda.md", lines)
 
 

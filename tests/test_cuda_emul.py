@@ -545,9 +545,11 @@ def test_emul_bool_mask_ranges_skip_hidden_tiles(backend, dtype, mask_name, monk
     # before them): a StaticCache's rows past its length, a left-padded
     # batch's leading keys, the keys of a fully hidden head. Outputs, lse and
     # gradients against the CPU backend and the float64 reference; NaN keys
-    # and infinite values in those tiles change nothing (they turned the
-    # output NaN when every tile was read), as on the CPU.
-    monkeypatch.delenv("MHA_EXT_CUDA_FWD_WARP_ROWS", raising=False)
+    # and infinite values in those tiles change nothing (they turn the
+    # output NaN where every tile is read, as with MHA_EXT_CUDA_MASK_RANGES=off
+    # still does), as on the CPU.
+    for name in ("MHA_EXT_CUDA_FWD_WARP_ROWS", "MHA_EXT_CUDA_MASK_RANGES", "MHA_EXT_CUDA_KV_SPLITS"):
+        monkeypatch.delenv(name, raising=False)
     n, h, L, S = 3, 2, 80, 400
     q, k, v = make((n, h, h, L, S, 64, 48), dtype)
     masks, poisoned = _tile_hiding_masks(n, h, L, S)
@@ -566,6 +568,11 @@ def test_emul_bool_mask_ranges_skip_hidden_tiles(backend, dtype, mask_name, monk
     v2[bad[:, None].expand(n, h, S)] = float("inf")
     out2, lse2, _ = backend.attention(q, k2, v2, mask, 0.0, False, None)
     assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    monkeypatch.setenv("MHA_EXT_CUDA_MASK_RANGES", "off")  # every tile read, as before the ranges
+    # (the same within rounding: with key splits the runs divide another range)
+    assert_all_like_cpu(backend.attention(q, k, v, mask, 0.0, False, None)[0], cpu_out, refs, dtype)
+    assert torch.isnan(backend.attention(q, k2, v2, mask, 0.0, False, None)[0]).any()
+    monkeypatch.setenv("MHA_EXT_CUDA_MASK_RANGES", "auto")
     before = torch.are_deterministic_algorithms_enabled()
     for deterministic in (False, True):
         torch.use_deterministic_algorithms(deterministic)

@@ -214,3 +214,12 @@ def test_emul_forward_rows_setting_is_checked(backend, monkeypatch):
     monkeypatch.setenv("MHA_EXT_CUDA_FWD_WARP_ROWS", "64")
     with pytest.raises((RuntimeError, ValueError), match='MHA_EXT_CUDA_FWD_WARP_ROWS must be "auto", "16" or "32", got "64"'):
         backend.attention(q, k, v, None, 0.0, False, None, False)
+
+
+def test_emul_mask_ranges_setting_is_checked(backend, monkeypatch):
+    q, k, v = make((1, 1, 1, 20, 30, 16, 16), torch.float32)
+    mask = torch.ones(20, 30, dtype=torch.bool)
+    monkeypatch.setenv("MHA_EXT_CUDA_MASK_RANGES", "on")
+    with pytest.raises((RuntimeError, ValueError), match='MHA_EXT_CUDA_MASK_RANGES must be "auto" or "off", got "on"'):
+        backend.attention(q, k, v, mask, 0.0, False, None, False)
+

@@ -298,8 +298,18 @@ int64_t fwd_kv_splits(const AttentionFwdParams& p, int64_t resident) {
 // a KV cache or the decode kernel, which scans the mask itself): their int32
 // words for rows in blocks of `group` (keys_grouped false: the keys each
 // block of rows is shown) or keys in blocks; 0 where a call takes none.
+// MHA_EXT_CUDA_MASK_RANGES, read at each launch with a bool mask: unset or
+// "auto": the ranges are found and used; "off": not (every tile is read, as
+// before them), so that a GPU session can time both (bench_cuda.py --only masks).
+inline bool mask_ranges_requested() {
+  const char* v = std::getenv("MHA_EXT_CUDA_MASK_RANGES");
+  const std::string mode = v == nullptr ? "auto" : v;
+  if (mode != "auto" && mode != "off")
+    throw std::invalid_argument("MHA_EXT_CUDA_MASK_RANGES must be \"auto\" or \"off\", got \"" + mode + "\"");
+  return mode == "auto";
+}
 inline int64_t mask_range_words(const AttentionFwdParams& p, bool keys_grouped, int group) {
-  if (p.mask_kind != MaskKind::kBool || p.cu_seqlens_q != nullptr || p.seqlens_k != nullptr ||
+  if (p.mask_kind != MaskKind::kBool || !mask_ranges_requested() || p.cu_seqlens_q != nullptr || p.seqlens_k != nullptr ||
       p.block_table != nullptr || p.len_q <= 0 || p.len_kv <= 0 || p.len_q > INT32_MAX || p.len_kv > INT32_MAX)
     return 0;
   const Strides4& s = p.mask_stride;
