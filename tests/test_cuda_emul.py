@@ -587,3 +587,36 @@ def test_emul_bool_mask_ranges_skip_hidden_tiles(backend, dtype, mask_name, monk
         for a, b in zip(ours2[1:3], ours[1:3]):  # dK, dV of the poisoned keys: 0, their P is 0
             assert torch.equal(torch.where(keep, a, 0), torch.where(keep, b, 0)), deterministic
             assert (a.masked_select(~keep) == 0).all(), deterministic
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_emul_bool_mask_ranges_of_a_packed_gqa_group(backend, dtype, monkeypatch):
+    # One query row a head of a GQA group (float32 / float64: the general
+    # forward, the group's heads packed as the rows of one block, the mask's
+    # head stride its row stride): a StaticCache's (B, 1, 1, S_max) mask and a
+    # per-head (B, Hq, 1, S) one; the scan's ranges follow the packed rows.
+    # NaN keys and infinite values past each batch's last shown key change
+    # nothing; against the CPU backend and the float64 reference.
+    for name in ("MHA_EXT_CUDA_MASK_RANGES", "MHA_EXT_CUDA_KV_SPLITS"):
+        monkeypatch.delenv(name, raising=False)
+    n, hq, hkv, S = 2, 8, 2, 300
+    q, k, v = make((n, hq, hkv, 1, S, 32, 32), dtype)
+    lengths = [70, 190]
+    static = torch.zeros(n, 1, 1, S, dtype=torch.bool)
+    per_head = torch.zeros(n, hq, 1, S, dtype=torch.bool)
+    for b, length in enumerate(lengths):
+        static[b, ..., :length] = True
+        for h in range(hq):
+            per_head[b, h, 0, 10 * h:length - 5 * h] = True
+    for mask in (static, per_head):
+        out, lse, _ = backend.attention(q, k, v, mask, 0.0, False, None, True)
+        cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(q, k, v, mask, 0.0, False, None, True)
+        assert_all_like_cpu(out, cpu_out, references(q, k, v, mask=mask, enable_gqa=True), dtype)
+        torch.testing.assert_close(lse, cpu_lse, rtol=1e-5 if dtype != torch.float64 else 1e-12, atol=1e-5)
+        k2, v2 = k.clone(), v.clone()
+        for b, length in enumerate(lengths):
+            past = (length + 63) // 64 * 64  # the tiles past the last shown key's (16-64 keys a tile)
+            k2[b, :, past:] = float("nan")
+            v2[b, :, past:] = float("inf")
+        out2, lse2, _ = backend.attention(q, k2, v2, mask, 0.0, False, None, True)
+        assert torch.equal(out2, out) and torch.equal(lse2, lse)
