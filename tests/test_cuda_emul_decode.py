@@ -237,12 +237,13 @@ def test_emul_decode_kernel_warps_share_the_key_tiles(backend, shape, dtype, mon
 @pytest.mark.parametrize("shape,dtype", [((3, 8, 2, 1, 600, 64, 64), torch.float16),
                                          ((3, 2, 2, 3, 600, 128, 96), torch.bfloat16)],
                          ids=["a GQA group packed", "3 rows a head"])
-def test_emul_decode_kernel_stops_at_the_last_key_a_bool_mask_shows(backend, shape, dtype, monkeypatch):
+def test_emul_decode_kernel_reads_only_the_keys_a_bool_mask_shows(backend, shape, dtype, monkeypatch):
     # transformers' StaticCache: a (N, 1, L, S_max) bool mask hides the rows past
-    # each batch's length. The decode kernel reads keys only up to the last one
-    # the mask shows its rows (bool_mask_keys_end), split over by the key
-    # splits: NaN keys and infinite values past it change nothing (the CPU
-    # kernels skip them too). Against the CPU backend and the float64 reference.
+    # each batch's length; a left-padded batch's mask hides its first keys. The
+    # decode kernel reads keys only from the first to the last one the mask
+    # shows its rows (bool_mask_keys_range), split over by the key splits: NaN
+    # keys and infinite values outside them change nothing (the CPU kernels
+    # skip them too). Against the CPU backend and the float64 reference.
     for name in ("MHA_EXT_CUDA_DECODE", "MHA_EXT_CUDA_FWD_WARP_ROWS", "MHA_EXT_CUDA_FWD_ROWS"):
         monkeypatch.delenv(name, raising=False)
     torch.manual_seed(17)
@@ -255,6 +256,8 @@ def test_emul_decode_kernel_stops_at_the_last_key_a_bool_mask_shows(backend, sha
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 400:] = float("nan")  # past the last shown key of every batch
     v2[:, :, 400:] = float("inf")
+    k2[2, :, :192] = float("nan")  # the tiles before batch 2's first shown key (200)
+    v2[2, :, :192] = float("inf")
     args = (q, k, v, mask, 0.0, False, None, hq != hkv)
     cpu_out, cpu_lse, _ = torch.ops.mha_ext.attention(*args)
     refs = references(q, k, v, enable_gqa=hq != hkv, mask=mask)

@@ -62,13 +62,14 @@ MHA_KERNEL MHA_LAUNCH_BOUNDS((2 * TileConfig<T, kHeadDim>::kFwdBlockN), kHeadDim
   // scores beyond the scaled dot product and the band: masked_score's path
   const bool general = p.mask_kind != MaskKind::kNone || p.variant.changes_scores();
   const int64_t i_last = i0 + kM - 1 < L ? i0 + kM - 1 : L - 1;
-  // the key tiles some row of the block may see (with a bool mask, up to the
-  // last key it shows: bool_mask_keys_end); with key splits this split's run of them (below)
-  const int64_t vis_first = p.variant.begin(i0) / kN * kN;
-  const int64_t vis_end = p.mask_kind == MaskKind::kBool
-                              ? bool_mask_keys_end(p, b, h, i0, i_last, vis_first, p.variant.end(i_last, S),
-                                                   reinterpret_cast<int*>(kv_s))
-                              : p.variant.end(i_last, S);
+  // the key tiles some row of the block may see (with a bool mask, from the
+  // first to the last key it shows: bool_mask_keys_range); with key splits
+  // this split's run of them (below)
+  int64_t vis_first = p.variant.begin(i0) / kN * kN;
+  int64_t vis_end = p.variant.end(i_last, S);
+  if (p.mask_kind == MaskKind::kBool)
+    bool_mask_keys_range(p, b, h, i0, i_last, vis_first, vis_end, kN, reinterpret_cast<int*>(kv_s), vis_first,
+                         vis_end);
 
   auto copy_tile = [](T* dst, int k_rows, const T* src, int64_t rs, int64_t cs, int64_t rows, int64_t cols) {
     load_tile_async<T>(dst, kLd, k_rows, kHeadDim, src, rs, cs, rows, cols);

@@ -38,45 +38,64 @@ MHA_DEVICE A masked_score(const AttentionFwdParams& p, int64_t b, int64_t h, int
   return x;
 }
 
-// The end of the last key in [j_lo, j_hi) that a bool mask shows some row
-// i_lo .. i_hi of head (b, h), or j_lo where it shows none: every thread of
-// the block scans keys from the end, a thread a key, and the block takes the
-// largest (scratch: an int a warp and one more of shared memory, free until
-// the call returns; the block's result is read from that one more word by
-// every thread, so that ptxas knows it for a value of the block: taken from
-// each thread's own reduction, the decode kernel spilled). A decode step against transformers' StaticCache, whose rows past
-// its length the mask hides, then reads only the rows written (as the CPU
-// kernels, kernel_common_cpu.h's bool_mask_hides_tile).
-MHA_DEVICE int64_t bool_mask_keys_end(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i_lo, int64_t i_hi,
-                                      int64_t j_lo, int64_t j_hi, int* scratch) {
+// The keys [first, end) of [j_lo, j_hi) from the first to the last one a
+// bool mask shows some row i_lo .. i_hi of head (b, h), or [j_hi, j_lo)
+// where it shows none (first rounded down to `align`): every thread of the
+// block scans keys from both ends, a thread a key, and the block takes the
+// smallest and largest (scratch: two ints a warp and two more of shared
+// memory, free until the call returns; the block's result is read from those
+// two more words by every thread, so that ptxas knows it for a value of the
+// block: taken from each thread's own reduction, the decode kernel spilled).
+// A decode step against transformers' StaticCache, whose rows past its
+// length the mask hides, then reads only the rows written, and a
+// left-padded batch's step skips its padding keys (as the CPU kernels,
+// kernel_common_cpu.h's bool_mask_hides_tile).
+MHA_DEVICE void bool_mask_keys_range(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i_lo, int64_t i_hi,
+                                     int64_t j_lo, int64_t j_hi, int64_t align, int* scratch, int64_t& first,
+                                     int64_t& end) {
   const int tid = static_cast<int>(thread_idx().x), threads = static_cast<int>(block_dim().x);
   const int64_t rs = p.mask_stride.row, cs = p.mask_stride.col;
   const int rows = rs == 0 ? 1 : static_cast<int>(i_hi - i_lo + 1);  // (rows a broadcast repeats, once)
   const bool* m0 = as<bool>(p.mask) + b * p.mask_stride.b + h * p.mask_stride.h + i_lo * rs + j_lo * cs;
-  int last = -1;  // this thread's largest shown key, from j_lo
-  for (int x = static_cast<int>(j_hi - j_lo) - 1 - tid; x >= 0; x -= threads) {
-    bool shown = false;
-    for (int r = 0; r < rows; ++r) shown = shown || m0[r * rs + x * cs];
-    if (shown) {
+  const int n = static_cast<int>(j_hi - j_lo);
+  auto shown = [&](int x) {
+    bool any = false;
+    for (int r = 0; r < rows && !any; ++r) any = m0[r * rs + x * cs];
+    return any;
+  };
+  int lo = n, last = -1;  // this thread's smallest and largest shown key, from j_lo
+  for (int x = tid; x < n; x += threads)
+    if (shown(x)) {
+      lo = x;
+      break;
+    }
+  for (int x = n - 1 - tid; x >= 0; x -= threads)
+    if (shown(x)) {
       last = x;
       break;
     }
-  }
   for (int d = kWarpSize / 2; d > 0; d /= 2) {
-    const int other = shfl_xor(last, d);
-    last = other > last ? other : last;
+    const int other_lo = shfl_xor(lo, d), other_last = shfl_xor(last, d);
+    lo = other_lo < lo ? other_lo : lo;
+    last = other_last > last ? other_last : last;
   }
   const int warps = (threads + kWarpSize - 1) / kWarpSize;
-  if (tid % kWarpSize == 0) scratch[tid / kWarpSize] = last;
+  if (tid % kWarpSize == 0) scratch[2 * (tid / kWarpSize)] = lo, scratch[2 * (tid / kWarpSize) + 1] = last;
   sync_threads();
   if (tid == 0) {
-    for (int w = 1; w < warps; ++w) last = scratch[w] > last ? scratch[w] : last;
-    scratch[warps] = last;
+    for (int w = 1; w < warps; ++w) {
+      lo = scratch[2 * w] < lo ? scratch[2 * w] : lo;
+      last = scratch[2 * w + 1] > last ? scratch[2 * w + 1] : last;
+    }
+    scratch[2 * warps] = lo;
+    scratch[2 * warps + 1] = last;
   }
   sync_threads();
-  const int block_last = scratch[warps];  // (read at one address by every thread: a value of the block)
-  sync_threads();  // every thread has read it before the scratch is used again
-  return j_lo + block_last + 1;
+  // (read at one address each by every thread: values of the block)
+  const int block_lo = scratch[2 * warps], block_last = scratch[2 * warps + 1];
+  sync_threads();  // every thread has read them before the scratch is used again
+  first = block_last < 0 ? j_hi : (j_lo + block_lo) / align * align;
+  end = j_lo + block_last + 1;
 }
 
 // A bool mask's shown ranges, found before the forward and backward
