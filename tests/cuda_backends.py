@@ -91,9 +91,9 @@ def backend(request):
 
 
 # The dynamic shared bytes of the bool mask's range scan (launch.h's
-# launch_mask_ranges: 2 ints for each of its 4 warps), which no attention
-# kernel has: how the launch log tells its launches from theirs.
-MASK_SCAN_SHARED = 2 * 4 * 4
+# launch_mask_ranges: 2 ints for each of its 4 warps and 2 more), which no
+# attention kernel has: how the launch log tells its launches from theirs.
+MASK_SCAN_SHARED = (2 * 4 + 2) * 4
 
 
 def attention_launches(backend):

@@ -335,7 +335,7 @@ void launch_mask_ranges(const AttentionFwdParams& p, bool keys_grouped, int grou
   constexpr int kWarps = 4;
   const int64_t blocks = mask_range_words(p, keys_grouped, group) / 2;  // a block a range
   check(launch_kernel(mask_ranges_kernel<kWarps>, dim3(static_cast<unsigned>(blocks)), dim3(32 * kWarps),
-                      2 * kWarps * sizeof(int), stream, m));
+                      (2 * kWarps + 2) * sizeof(int), stream, m));
 }
 
 // The forward, and with key splits the combine kernel after it. workspace(n)

@@ -38,32 +38,27 @@ MHA_DEVICE A masked_score(const AttentionFwdParams& p, int64_t b, int64_t h, int
   return x;
 }
 
-// The keys [first, end) of [j_lo, j_hi) from the first to the last one a
-// bool mask shows some row i_lo .. i_hi of head (b, h), or [j_hi, j_lo)
-// where it shows none (first rounded down to `align`): every thread of the
-// block scans keys from both ends, a thread a key, and the block takes the
-// smallest and largest (scratch: two ints a warp and two more of shared
-// memory, free until the call returns; the block's result is read from those
-// two more words by every thread, so that ptxas knows it for a value of the
-// block: taken from each thread's own reduction, the decode kernel spilled).
-// A decode step against transformers' StaticCache, whose rows past its
-// length the mask hides, then reads only the rows written, and a
-// left-padded batch's step skips its padding keys (as the CPU kernels,
-// kernel_common_cpu.h's bool_mask_hides_tile).
-MHA_DEVICE void bool_mask_keys_range(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i_lo, int64_t i_hi,
-                                     int64_t j_lo, int64_t j_hi, int64_t align, int* scratch, int64_t& first,
-                                     int64_t& end) {
-  const int tid = static_cast<int>(thread_idx().x), threads = static_cast<int>(block_dim().x);
-  const int64_t rs = p.mask_stride.row, cs = p.mask_stride.col;
-  const int rows = rs == 0 ? 1 : static_cast<int>(i_hi - i_lo + 1);  // (rows a broadcast repeats, once)
-  const bool* m0 = as<bool>(p.mask) + b * p.mask_stride.b + h * p.mask_stride.h + i_lo * rs + j_lo * cs;
-  const int n = static_cast<int>(j_hi - j_lo);
-  auto shown = [&](int x) {
+// Columns of a bool mask: whether any of `rows` rows from m0 (row stride rs,
+// column stride cs) shows column x.
+struct MaskColumns {
+  const bool* m0;
+  int64_t rs, cs;
+  int rows;
+  MHA_DEVICE bool operator()(int x) const {
     bool any = false;
     for (int r = 0; r < rows && !any; ++r) any = m0[r * rs + x * cs];
     return any;
-  };
-  int lo = n, last = -1;  // this thread's smallest and largest shown key, from j_lo
+  }
+};
+
+// The smallest and the largest column of [0, n) that `shown` shows (n and
+// -1 where it shows none), found by every thread of the block: each scans
+// from both ends, a column a thread, and stops at its first shown one; the
+// block's result lands in scratch[2 warps] and scratch[2 warps + 1] (shared
+// memory: two ints a warp and two more; two barriers).
+MHA_DEVICE void block_shown_span(const MaskColumns& shown, int n, int* scratch) {
+  const int tid = static_cast<int>(thread_idx().x), threads = static_cast<int>(block_dim().x);
+  int lo = n, last = -1;
   for (int x = tid; x < n; x += threads)
     if (shown(x)) {
       lo = x;
@@ -91,8 +86,28 @@ MHA_DEVICE void bool_mask_keys_range(const AttentionFwdParams& p, int64_t b, int
     scratch[2 * warps + 1] = last;
   }
   sync_threads();
-  // (read at one address each by every thread: values of the block)
-  const int block_lo = scratch[2 * warps], block_last = scratch[2 * warps + 1];
+}
+
+// The keys [first, end) of [j_lo, j_hi) from the first to the last one a
+// bool mask shows some row i_lo .. i_hi of head (b, h), or [j_hi, j_lo)
+// where it shows none (first rounded down to `align`), by every thread of
+// the block (block_shown_span; scratch: its shared memory, free until the
+// call returns). The block's result is read from the two words thread 0
+// wrote by every thread, so that ptxas knows it for a value of the block:
+// taken from each thread's own reduction, the decode kernel spilled. A
+// decode step against transformers' StaticCache, whose rows past its length
+// the mask hides, then reads only the rows written, and a left-padded
+// batch's step skips its padding keys (as the CPU kernels,
+// kernel_common_cpu.h's bool_mask_hides_tile).
+MHA_DEVICE void bool_mask_keys_range(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i_lo, int64_t i_hi,
+                                     int64_t j_lo, int64_t j_hi, int64_t align, int* scratch, int64_t& first,
+                                     int64_t& end) {
+  const int64_t rs = p.mask_stride.row, cs = p.mask_stride.col;
+  const MaskColumns shown{as<bool>(p.mask) + b * p.mask_stride.b + h * p.mask_stride.h + i_lo * rs + j_lo * cs, rs, cs,
+                          rs == 0 ? 1 : static_cast<int>(i_hi - i_lo + 1)};  // (rows a broadcast repeats, once)
+  block_shown_span(shown, static_cast<int>(j_hi - j_lo), scratch);
+  const int warps = (static_cast<int>(block_dim().x) + kWarpSize - 1) / kWarpSize;
+  const int block_lo = scratch[2 * warps], block_last = scratch[2 * warps + 1];  // (one address each)
   sync_threads();  // every thread has read them before the scratch is used again
   first = block_last < 0 ? j_hi : (j_lo + block_lo) / align * align;
   end = j_lo + block_last + 1;
@@ -128,45 +143,18 @@ MHA_HOST_DEVICE int64_t mask_groups(int64_t stride_g, int64_t len_g, int64_t gro
 }
 
 // Grid: a block a group of each (batch, head) pair of the mask, groups
-// fastest; kWarps warps a block; shared: 2 ints a warp.
+// fastest; kWarps warps a block; shared: block_shown_span's.
 template <int kWarps>
 MHA_KERNEL mask_ranges_kernel(const MaskRangeParams p) {
-  const int tid = static_cast<int>(thread_idx().x), threads = kWarpSize * kWarps;
   const int64_t groups = mask_groups(p.stride_g, p.len_g, p.group);
   const int64_t bh = block_idx().x / groups, g = block_idx().x % groups;
   const int g0 = static_cast<int>(g) * p.group;
-  const int rows = p.stride_g == 0 ? 1 : (p.len_g - g0 < p.group ? p.len_g - g0 : p.group);
-  const int n = p.stride_x == 0 ? 1 : p.len_x;  // (a broadcast index: its one entry stands for all)
-  const bool* m0 = p.mask + bh / p.heads * p.stride_b + bh % p.heads * p.stride_h + g0 * p.stride_g;
-  auto shown = [&](int x) {
-    bool any = false;
-    for (int r = 0; r < rows && !any; ++r) any = m0[r * p.stride_g + x * p.stride_x];
-    return any;
-  };
-  int lo = n, hi = 0;
-  for (int x = tid; x < n; x += threads)
-    if (shown(x)) {
-      lo = x;
-      break;
-    }
-  for (int x = n - 1 - tid; x >= 0; x -= threads)
-    if (shown(x)) {
-      hi = x + 1;
-      break;
-    }
-  for (int d = kWarpSize / 2; d > 0; d /= 2) {
-    const int other_lo = shfl_xor(lo, d), other_hi = shfl_xor(hi, d);
-    lo = other_lo < lo ? other_lo : lo;
-    hi = other_hi > hi ? other_hi : hi;
-  }
+  const MaskColumns shown{p.mask + bh / p.heads * p.stride_b + bh % p.heads * p.stride_h + g0 * p.stride_g, p.stride_g,
+                          p.stride_x, p.stride_g == 0 ? 1 : (p.len_g - g0 < p.group ? p.len_g - g0 : p.group)};
   int* scratch = dynamic_shared<int>();
-  if (tid % kWarpSize == 0) scratch[2 * (tid / kWarpSize)] = lo, scratch[2 * (tid / kWarpSize) + 1] = hi;
-  sync_threads();
-  if (tid != 0) return;
-  for (int w = 1; w < kWarps; ++w) {
-    lo = scratch[2 * w] < lo ? scratch[2 * w] : lo;
-    hi = scratch[2 * w + 1] > hi ? scratch[2 * w + 1] : hi;
-  }
+  block_shown_span(shown, p.stride_x == 0 ? 1 : p.len_x, scratch);  // (a broadcast index: its one entry stands for all)
+  if (thread_idx().x != 0) return;
+  int lo = scratch[2 * kWarps], hi = scratch[2 * kWarps + 1] + 1;
   if (p.stride_x == 0 && hi > lo) lo = 0, hi = p.len_x;
   if (hi <= lo) lo = p.len_x, hi = 0;
   int32_t* out = p.out + 2 * (bh * groups + g);
