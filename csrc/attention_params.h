@@ -147,11 +147,11 @@ struct AttentionFwdParams {
   void* part_out = nullptr;  // (kv_splits, B, Hq, L, Ev), the accumulation type
   void* part_ml = nullptr;   // (2, kv_splits, B, Hq, L): max (in the softmax's units), then sum
   // CUDA only: where a bool mask shows keys (score_policy.h's
-  // mask_ranges_kernel, run before the launch; null: not known): for each 16
-  // query rows the keys [lo, hi) it shows some of them, and (the backward)
-  // for each 16 keys the rows it shows them to; (Bm, Hm, groups, 2), the
-  // mask's batches and heads (1 where it broadcasts them, and one group for
-  // a broadcast row or key index)
+  // mask_ranges_kernel, run before the launch; null: not known): for each
+  // query block of the kernel the keys [lo, hi) it shows some of its rows,
+  // and (the key-block backward) for each key block the rows it shows some
+  // of its keys to; (Bm, Hm, groups, 2), the mask's batches and heads (1
+  // where it broadcasts them, and one group for a broadcast row or key index)
   const int32_t* mask_row_keys = nullptr;
   const int32_t* mask_key_rows = nullptr;
   DropoutParams dropout;

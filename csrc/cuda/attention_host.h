@@ -130,18 +130,28 @@ inline bool pack_gqa_rows(AttentionFwdParams& p) {
   return true;
 }
 
+// The workspace callback of the launch functions (launch.h; one call a
+// launch function: the key splits' partial results, a bool mask's ranges):
+// n bytes from torch's allocator on the device of `options`, held while this
+// object lives, which ends when the op's call returns: the caching
+// allocator hands them out again only to work queued after those kernels on
+// the stream.
+struct DeviceWorkspace {
+  at::TensorOptions options;
+  at::Tensor bytes;
+  void* operator()(size_t n) {
+    bytes = at::empty({static_cast<int64_t>(n)}, options.dtype(at::kByte));
+    return bytes.data_ptr();
+  }
+};
+
 // The forward's launches (device::launch_attention_fwd) for element type T,
-// a decode step's GQA group packed (pack_gqa_rows), their workspace (the key splits' partial results) from torch's allocator
-// on query's device, released when the call returns: the caching allocator
-// hands it out again only to work queued after these kernels on the stream.
+// a decode step's GQA group packed (pack_gqa_rows), their workspace on query's device.
 template <typename T>
 void launch_forward(AttentionFwdParams p, const at::Tensor& query, simt::Stream stream) {
   pack_gqa_rows(p);
-  at::Tensor workspace;
-  device::launch_attention_fwd<T>(p, stream, [](auto status) { check_launch(status); }, [&](size_t bytes) {
-    workspace = at::empty({static_cast<int64_t>(bytes)}, query.options().dtype(at::kByte));
-    return workspace.data_ptr();
-  });
+  DeviceWorkspace workspace{query.options()};
+  device::launch_attention_fwd<T>(p, stream, [](auto status) { check_launch(status); }, workspace);
 }
 
 // (seed, offset) for a call with dropout and no rng_state, as an int64 (2)
@@ -291,11 +301,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd_
     const simt::Stream stream = current_stream(query);
     dispatch_device_type(query.scalar_type(), "attention_backward", [&](auto elem) {
       using T = decltype(elem);
-      at::Tensor workspace;
-      device::launch_attention_bwd<T>(p, stream, [](auto status) { check_launch(status); }, [&](size_t bytes) {
-        workspace = at::empty({static_cast<int64_t>(bytes)}, query.options().dtype(at::kByte));
-        return workspace.data_ptr();
-      });
+      DeviceWorkspace workspace{query.options()};
+      device::launch_attention_bwd<T>(p, stream, [](auto status) { check_launch(status); }, workspace);
     });
     if (!deterministic) grad_q.copy_(dq_accum.view(grad_q.sizes()));
   }

@@ -318,9 +318,10 @@ inline int64_t mask_range_words(const AttentionFwdParams& p, bool keys_grouped, 
   // (a block a range on a 1-D grid: past its 2^31 - 1 blocks the kernels read every tile, as without)
   return ranges <= INT32_MAX ? 2 * ranges : 0;
 }
+// (words: mask_range_words' count for the same call, keys_grouped and group)
 template <typename Check>
-void launch_mask_ranges(const AttentionFwdParams& p, bool keys_grouped, int group, int32_t* out, Stream stream,
-                        Check&& check) {
+void launch_mask_ranges(const AttentionFwdParams& p, bool keys_grouped, int group, int64_t words, int32_t* out,
+                        Stream stream, Check&& check) {
   MaskRangeParams m;
   m.mask = static_cast<const bool*>(p.mask);
   m.stride_b = p.mask_stride.b;
@@ -333,8 +334,7 @@ void launch_mask_ranges(const AttentionFwdParams& p, bool keys_grouped, int grou
   m.group = group;
   m.out = out;
   constexpr int kWarps = 4;
-  const int64_t blocks = mask_range_words(p, keys_grouped, group) / 2;  // a block a range
-  check(launch_kernel(mask_ranges_kernel<kWarps>, dim3(static_cast<unsigned>(blocks)), dim3(32 * kWarps),
+  check(launch_kernel(mask_ranges_kernel<kWarps>, dim3(static_cast<unsigned>(words / 2)), dim3(32 * kWarps),
                       (2 * kWarps + 2) * sizeof(int), stream, m));
 }
 
@@ -372,7 +372,7 @@ void launch_attention_fwd(const AttentionFwdParams& params, Stream stream, Check
       char* w = static_cast<char*>(workspace(range_bytes + part_bytes));
       if (range_words > 0) {
         p.mask_row_keys = reinterpret_cast<int32_t*>(w);
-        launch_mask_ranges(p, false, 16 * slices, reinterpret_cast<int32_t*>(w), stream, check);
+        launch_mask_ranges(p, false, 16 * slices, range_words, reinterpret_cast<int32_t*>(w), stream, check);
       }
       if (parts > 0) {
         p.part_out = w + range_bytes;
@@ -432,12 +432,12 @@ void launch_attention_bwd(const AttentionBwdParams& params, Stream stream, Check
     // the bool mask's ranges: the keys of each query block (the dQ kernel's),
     // the rows of each key block (the key-block kernel's)
     const int64_t row_words = mask_range_words(p, false, C::kBwdBlock), key_words = mask_range_words(p, true, C::kBwdBlock);
-    if (row_words > 0) {
+    if (row_words > 0 && key_words > 0) {  // (both, or neither: every tile read)
       int32_t* w = static_cast<int32_t*>(workspace(static_cast<size_t>(row_words + key_words) * sizeof(int32_t)));
       p.mask_row_keys = w;
       p.mask_key_rows = w + row_words;
-      launch_mask_ranges(p, false, C::kBwdBlock, w, stream, check);
-      launch_mask_ranges(p, true, C::kBwdBlock, w + row_words, stream, check);
+      launch_mask_ranges(p, false, C::kBwdBlock, row_words, w, stream, check);
+      launch_mask_ranges(p, true, C::kBwdBlock, key_words, w + row_words, stream, check);
     }
     check(launch_kernel(attention_bwd_kernel<T, kHeadDim>, dim3(bh, row_blocks(p.len_kv, C::kBwdBlock)), block,
                         smem, stream, p));

@@ -90,11 +90,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_bwd_devic
     const simt::Stream stream = current_stream(query);
     dispatch_device_type(query.scalar_type(), "varlen_attention_backward", [&](auto elem) {
       using T = decltype(elem);
-      at::Tensor workspace;
-      device::launch_attention_bwd<T>(p, stream, [](auto status) { check_launch(status); }, [&](size_t bytes) {
-        workspace = at::empty({static_cast<int64_t>(bytes)}, query.options().dtype(at::kByte));
-        return workspace.data_ptr();
-      });
+      DeviceWorkspace workspace{query.options()};
+      device::launch_attention_bwd<T>(p, stream, [](auto status) { check_launch(status); }, workspace);
     });
     if (!deterministic) grad_q.copy_(dq_accum);
   }
