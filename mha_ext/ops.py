@@ -243,9 +243,10 @@ torch.library.register_autograd("mha_ext::attention_backward", _double_backward)
 
 def cpu_isa() -> str:
     """The instruction set of the CPU kernels in this process: "amx" (AVX-512
-    with the AMX tile unit for bfloat16), "avx512", "avx2" or "generic".
-    MHA_EXT_CPU_ISA=generic|avx2|avx512 (set before the first call) forces a
-    lower one."""
+    with the AMX tile unit for bfloat16), "avx512bf16" (AVX-512 with
+    AVX512-BF16's bfloat16 pair products), "avx512", "avx2" or "generic".
+    MHA_EXT_CPU_ISA=generic|avx2|avx512|avx512bf16 (set before the first
+    call) forces a lower one."""
     return torch.ops.mha_ext.cpu_isa()
 
 

@@ -90,10 +90,11 @@ print("ok")
 def _supported():
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     return {"generic": True, "avx2": " avx2" in flags and " fma" in flags, "avx512": " avx512f" in flags,
+            "avx512bf16": " avx512f" in flags and " avx512_bf16" in flags,
             "amx": " avx512f" in flags and " amx_bf16" in flags and " amx_tile" in flags}
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "amx"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512bf16", "amx"])
 def test_isa_path(isa):
     if not _supported()[isa]:
         pytest.skip(f"this CPU has no {isa}: its kernels cannot run here (an instruction set is not emulated)")

@@ -1,5 +1,7 @@
-// AMX (Advanced Matrix Extensions) bfloat16 tile products for the CPU
-// kernels: see amx_gemm_bf16 in gemm_cpu.h.
+// bfloat16 pair products for the CPU kernels: on the AMX (Advanced Matrix
+// Extensions) tile unit, or by AVX512-BF16's vdpbf16ps on CPUs without it
+// (gemm_bf16_pairs in gemm_cpu.h), their operand packing, and the decode
+// kernel's tile routines (AMX only).
 #include "gemm_cpu.h"
 #include "rows_avx512.h"
 
@@ -95,6 +97,69 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm_tiles(int64_t M, int64_t 
       _tile_stored(2, c00 + 16 * ldc, sc);
       _tile_stored(3, c00 + 16 * ldc + 16, sc);
     }
+  }
+}
+
+// The same product by AVX512-BF16's vdpbf16ps, for CPUs without the tile
+// unit: 8 rows x 32 columns of C in 16 registers, a pair of A's row (one
+// 32-bit word) broadcast against a pair row of B's 32 columns (two vectors).
+// Each C element adds its pair products in ascending k, as the tile unit.
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void gemm_pairs_dp(
+    int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float* c,
+    int64_t ldc, bool accumulate) {
+  constexpr int kRows = 8;
+  for (int64_t n = 0; n < N; n += 32) {
+    for (int64_t m = 0; m < M; m += kRows) {
+      __m512 acc[kRows][2];
+      float* c0 = c + m * ldc + n;
+      for (int r = 0; r < kRows; ++r) {
+        acc[r][0] = accumulate ? _mm512_loadu_ps(c0 + r * ldc) : _mm512_setzero_ps();
+        acc[r][1] = accumulate ? _mm512_loadu_ps(c0 + r * ldc + 16) : _mm512_setzero_ps();
+      }
+      const uint16_t* a0 = a + m * lda;
+      const uint16_t* b0 = b + 2 * n;
+      for (int64_t t = 0; t < K / 2; ++t) {
+        const __m512bh lo = (__m512bh)_mm512_loadu_si512(b0 + t * ldb);
+        const __m512bh hi = (__m512bh)_mm512_loadu_si512(b0 + t * ldb + 32);
+        for (int r = 0; r < kRows; ++r) {
+          int32_t word;
+          std::memcpy(&word, a0 + r * lda + 2 * t, sizeof(word));
+          const __m512bh x = (__m512bh)_mm512_set1_epi32(word);
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, lo);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, hi);
+        }
+      }
+      for (int r = 0; r < kRows; ++r) {
+        _mm512_storeu_ps(c0 + r * ldc, acc[r][0]);
+        _mm512_storeu_ps(c0 + r * ldc + 16, acc[r][1]);
+      }
+    }
+  }
+}
+
+// out[r] = the pair products of rows r of a and b in gemm_pairs_dp's
+// arithmetic (one vdpbf16ps a pair, pairs in ascending order from a zero
+// sum): 16 rows a vector, one row a lane.
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void row_dots_dp(
+    const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t rows, int64_t n, float* out) {
+  constexpr int64_t kWords = 32;  // pairs a pass
+  alignas(64) uint32_t wa[kWords * 16], wb[kWords * 16];
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const int64_t nr = std::min<int64_t>(16, rows - r0);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < n / 2; t0 += kWords) {
+      const int64_t nt = std::min(kWords, n / 2 - t0);
+      std::memset(wa, 0, sizeof(wa));
+      std::memset(wb, 0, sizeof(wb));
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t t = 0; t < nt; ++t) {  // word t0 + t of row r0 + r: pair row t, lane r
+          std::memcpy(wa + t * 16 + r, a + (r0 + r) * lda + 2 * (t0 + t), 4);
+          std::memcpy(wb + t * 16 + r, b + (r0 + r) * ldb + 2 * (t0 + t), 4);
+        }
+      for (int64_t t = 0; t < nt; ++t)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_load_si512(wa + t * 16), (__m512bh)_mm512_load_si512(wb + t * 16));
+    }
+    _mm512_mask_storeu_ps(out + r0, static_cast<__mmask16>((1u << nr) - 1), acc);
   }
 }
 
@@ -460,17 +525,25 @@ bool amx_bf16_usable() {
   return ok;
 }
 
-void amx_gemm_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda, const uint16_t* b,
-                   int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  gemm_tiles(M, N, K, a, lda, b, ldb, c, ldc, accumulate);
+void gemm_bf16_pairs(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda, const uint16_t* b,
+                     int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  if (active_isa() == Isa::kAmx) return gemm_tiles(M, N, K, a, lda, b, ldb, c, ldc, accumulate);
+  gemm_pairs_dp(M, N, K, a, lda, b, ldb, c, ldc, accumulate);  // (Isa::kAvx512Bf16)
 }
 
-void amx_pack_float_rows(const float* src, int64_t lds, int64_t rows, int64_t cols, int64_t rows_pad, int64_t ld,
+bool row_dots_bf16_pairs(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t rows, int64_t n,
+                         float* out) {
+  if (active_isa() != Isa::kAvx512Bf16) return false;
+  row_dots_dp(a, lda, b, ldb, rows, n, out);
+  return true;
+}
+
+void pack_bf16_rows(const float* src, int64_t lds, int64_t rows, int64_t cols, int64_t rows_pad, int64_t ld,
                          uint16_t* dst) {
   pack_float_rows(src, lds, rows, cols, rows_pad, ld, dst);
 }
 
-void amx_pack_row_pairs(const uint16_t* src, int64_t rs, int64_t n, int64_t cols, int64_t n_pad, int64_t cols_pad,
+void pack_row_pairs_bf16(const uint16_t* src, int64_t rs, int64_t n, int64_t cols, int64_t n_pad, int64_t cols_pad,
                         int64_t ld, uint16_t* dst) {
   pack_row_pairs(src, rs, n, cols, n_pad, cols_pad, ld, dst);
 }
@@ -510,10 +583,13 @@ void amx_release() {
 #else
 
 bool amx_bf16_usable() { return false; }
-void amx_gemm_bf16(int64_t, int64_t, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t,
-                   bool) {}
-void amx_pack_float_rows(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
-void amx_pack_row_pairs(const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
+void gemm_bf16_pairs(int64_t, int64_t, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t,
+                     bool) {}
+bool row_dots_bf16_pairs(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, float*) {
+  return false;
+}
+void pack_bf16_rows(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
+void pack_row_pairs_bf16(const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
 void amx_pack_query_pairs(const uint16_t*, int64_t, int64_t, uint16_t*) {}
 bool amx_dot_rows_bf16(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t,
                        bool) {

@@ -17,22 +17,24 @@ namespace mha_ext {
 
 namespace {
 
-// The bfloat16 backward's operands on AMX (one per thread): Q and dO of a
-// head as rows (A) and as pair rows (B), the key tile's K and V as
-// transposed pairs (B of S and dP) and K as pair rows (B of dQ), the block's
-// P^T, dS and dS^T in bfloat16 (A), and float dK / dV of the tile; all
-// zero-padded to multiples of 32.
-struct AmxBwdBuffers {
+// The bfloat16 backward's operands on pair products (Isa::kAvx512Bf16 and
+// above, one per thread): Q and dO of a head as rows (A) and as pair rows
+// (B), a block of O's rows (for D), the key tile's K and V as transposed
+// pairs (B of S and dP) and K as pair rows (B of dQ), the block's P^T, dS and
+// dS^T in bfloat16 (A), and float dK / dV of the tile; all zero-padded to
+// multiples of 32.
+struct PairBwdBuffers {
   int64_t e_pad = 0, ev_pad = 0;
-  Buffer<uint16_t> q_rows, q_pairs, do_rows, do_pairs, k_tp, v_tp, k_pairs, a_bf;
+  Buffer<uint16_t> q_rows, q_pairs, do_rows, do_pairs, o_rows, k_tp, v_tp, k_pairs, a_bf;
   Buffer<float> tr, dk_tile, dv_tile;
 
-  AmxBwdBuffers(int64_t L, int64_t E, int64_t Ev) : e_pad(round32(E)), ev_pad(round32(Ev)) {
+  PairBwdBuffers(int64_t L, int64_t E, int64_t Ev) : e_pad(round32(E)), ev_pad(round32(Ev)) {
     const int64_t lp = round32(L);
     q_rows.resize(lp * e_pad);
     q_pairs.resize(lp * e_pad);
     do_rows.resize(lp * ev_pad);
     do_pairs.resize(lp * ev_pad);
+    o_rows.resize(kBlockM * ev_pad);
     k_tp.resize(e_pad * kBlockN);
     v_tp.resize(ev_pad * kBlockN);
     k_pairs.resize(kBlockN * e_pad);
@@ -47,15 +49,15 @@ struct AmxBwdBuffers {
                         uint16_t* rows, uint16_t* pairs) {
     const int64_t lp = round32(L);
     pack_a_bf16(src, rs, cs, L, D, lp, d_pad, rows);
-    cpu::amx_pack_row_pairs(rows, d_pad, L, D, lp, d_pad, 2 * d_pad, pairs);
+    cpu::pack_row_pairs_bf16(rows, d_pad, L, D, lp, d_pad, 2 * d_pad, pairs);
   }
 
   // C (+)= A^T B where A is a float (m x nq) block: transposed into bfloat16 first
   void gemm_at(const float* a, int64_t lda, int64_t m, int64_t nq, const uint16_t* b_pairs, int64_t n_out,
                float* c, int64_t ldc) {
     cpu::transpose(a, lda, m, nq, tr.data(), m);  // (nq x m), row stride m
-    cpu::amx_pack_float_rows(tr.data(), m, nq, m, round32(nq), round32(m), a_bf.data());
-    cpu::amx_gemm_bf16(round32(nq), n_out, round32(m), a_bf.data(), round32(m), b_pairs, 2 * n_out, c, ldc, true);
+    cpu::pack_bf16_rows(tr.data(), m, nq, m, round32(nq), round32(m), a_bf.data());
+    cpu::gemm_bf16_pairs(round32(nq), n_out, round32(m), a_bf.data(), round32(m), b_pairs, 2 * n_out, c, ldc, true);
   }
 };
 
@@ -76,13 +78,14 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   const acc_t rescale = static_cast<acc_t>(p.dropout.rescale);
   const acc_t* lse = static_cast<const acc_t*>(p.lse);
   acc_t* dmask_all = static_cast<acc_t*>(p.grad_mask);
-  // bfloat16 on AMX: the five products on the tile unit (AmxBwdBuffers)
+  // bfloat16 on AVX512-BF16 or AMX: the five products in bfloat16 pairs
+  // (cpu::gemm_bf16_pairs, PairBwdBuffers)
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  const bool amx = kBf16 && cpu::active_isa() == cpu::Isa::kAmx;
-  const int64_t ldq_acc = amx ? round32(E) : E;  // dQ accumulator row stride
-  // S's scale inside the exponential on AMX, as in the forward
+  const bool pairs = kBf16 && cpu::active_isa() >= cpu::Isa::kAvx512Bf16;
+  const int64_t ldq_acc = pairs ? round32(E) : E;  // dQ accumulator row stride
+  // S's scale inside the exponential on pair products, as in the forward
   const bool fold_scale =
-      amx && p.mask_kind != MaskKind::kFloat && !p.variant.changes_scores() && s_scale > acc_t(0);
+      pairs && p.mask_kind != MaskKind::kFloat && !p.variant.changes_scores() && s_scale > acc_t(0);
   const bool softcap = p.variant.softcap > 0.0;
 
   // Work item: (batch, query head). Key/value tiles are the outer loop, so K,
@@ -117,7 +120,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
     // lse_needs_exact_stats (exact_row_stats below)
     Buffer<acc_t> row_sub, row_inv;
     std::vector<uint8_t> exact;  // per row: row_sub / row_inv are exact statistics
-    std::unique_ptr<AmxBwdBuffers> ab;
+    std::unique_ptr<PairBwdBuffers> ab;
   };
 
   // Query blocks [first_row, rows_end) may see the key tile [j0, j0 + n) (a
@@ -131,21 +134,21 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   };
 
   // Packs the key/value tile (j0, n rows) of the head's key head for the
-  // products: K rows and K^T, V^T (on AMX their pair layouts).
+  // products: K rows and K^T, V^T (on pair products their pair layouts).
   auto pack_tile = [&](const AttentionBwdParams& sp, Head& hd, int64_t b, int64_t j0, int64_t n) {
     const int64_t ldt = transposed_ld(n), n32 = round32(n);
     const scalar_t* k_tile =
         static_cast<const scalar_t*>(sp.k) + b * p.k_stride.b + hd.hk * p.k_stride.h + j0 * p.k_stride.row;
     const scalar_t* v_tile =
         static_cast<const scalar_t*>(sp.v) + b * p.v_stride.b + hd.hk * p.v_stride.h + j0 * p.v_stride.row;
-    if (!amx) {
+    if (!pairs) {
       hd.kt = load_tile(k_tile, p.k_stride.row, p.k_stride.col, n, E, hd.k_buf.data(), &hd.ldk);
       load_tile_transposed(k_tile, p.k_stride.row, p.k_stride.col, n, E, hd.kt_buf.data(), ldt);
       load_tile_transposed(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, hd.vt_buf.data(), ldt);
     }
     if constexpr (kBf16) {
-      if (amx) {
-        AmxBwdBuffers* ab = hd.ab.get();
+      if (pairs) {
+        PairBwdBuffers* ab = hd.ab.get();
         pack_kt_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, n32, ab->e_pad, 2 * n32, ab->k_tp.data());
         pack_kt_pairs(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, n32, ab->ev_pad, 2 * n32, ab->v_tp.data());
         pack_v_pairs(k_tile, p.k_stride.row, p.k_stride.col, n, E, n32, ab->e_pad, ab->k_pairs.data());
@@ -156,14 +159,14 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   };
 
   // S of query rows i0 .. i0 + m against the packed tile (n keys, nq of them
-  // visible) into pt, row stride round32(nq) on AMX, else nq; in the kernel's
-  // units, except on AMX with fold_scale (the scale rides in the exponential).
+  // visible) into pt, row stride round32(nq) on pair products, else nq; in the kernel's
+  // units, except on pair products with fold_scale (the scale rides in the exponential).
   auto scores = [&](const Head& hd, int64_t i0, int64_t m, int64_t n, int64_t nq, acc_t* pt) {
-    if (amx) {
+    if (pairs) {
       if constexpr (std::is_same_v<acc_t, float>) {
-        const AmxBwdBuffers* ab = hd.ab.get();
+        const PairBwdBuffers* ab = hd.ab.get();
         const int64_t lds = round32(nq);
-        cpu::amx_gemm_bf16(round32(m), lds, ab->e_pad, ab->q_rows.data() + i0 * ab->e_pad, ab->e_pad,
+        cpu::gemm_bf16_pairs(round32(m), lds, ab->e_pad, ab->q_rows.data() + i0 * ab->e_pad, ab->e_pad,
                            ab->k_tp.data(), 2 * round32(n), pt, lds, false);  // S = Q K^T
         if (!fold_scale)
           for (int64_t r = 0; r < m; ++r) Ops::scale(pt + r * lds, nq, s_scale);
@@ -201,7 +204,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
         if (nq <= 0 || std::find(hd.exact.begin() + i0, hd.exact.begin() + i0 + m, 1) == hd.exact.begin() + i0 + m)
           continue;
         if (!packed) pack_tile(sp, hd, b, j0, n), packed = true;
-        const int64_t lds = amx ? round32(nq) : nq;
+        const int64_t lds = pairs ? round32(nq) : nq;
         scores(hd, i0, m, n, nq, s_buf.data());
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
@@ -221,21 +224,21 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
   };
 
   at::parallel_for(0, p.batch * (H / group), 1, [&](int64_t begin, int64_t end) {
-    const cpu::ReleaseTiles release{amx};  // (the tile unit's state, given back at the task's end)
+    const cpu::ReleaseTiles release{pairs && cpu::active_isa() == cpu::Isa::kAmx};  // (the tile unit's state, given back at the task's end)
     std::vector<Head> heads(group);
     for (Head& hd : heads) {
-      // (on AMX the products read AmxBwdBuffers; dO is still read as acc_t for D)
-      if (!amx && tile_needs_pack<scalar_t, acc_t>(p.q_stride.col)) hd.q_buf.resize(L_max * E);
+      // (on pair products they read PairBwdBuffers; dO is still read as acc_t for D)
+      if (!pairs && tile_needs_pack<scalar_t, acc_t>(p.q_stride.col)) hd.q_buf.resize(L_max * E);
       if (tile_needs_pack<scalar_t, acc_t>(p.grad_out_stride.col)) hd.do_buf.resize(L_max * Ev);
       hd.row_d.resize(L_max);
       hd.row_sub.resize(L_max);
       hd.row_inv.resize(L_max);
       hd.exact.resize(L_max);
-      hd.dq_acc.resize((amx ? round32(L_max) : L_max) * ldq_acc);
-      if (amx) hd.ab.reset(new AmxBwdBuffers(L_max, E, Ev));
-      hd.k_buf.resize(amx ? 0 : kBlockN * E);
-      hd.kt_buf.resize(amx ? 0 : transposed_ld(kBlockN) * E);  // K^T, (E x n), row stride ldt
-      hd.vt_buf.resize(amx ? 0 : transposed_ld(kBlockN) * Ev);  // V^T, (Ev x n), row stride ldt
+      hd.dq_acc.resize((pairs ? round32(L_max) : L_max) * ldq_acc);
+      if (pairs) hd.ab.reset(new PairBwdBuffers(L_max, E, Ev));
+      hd.k_buf.resize(pairs ? 0 : kBlockN * E);
+      hd.kt_buf.resize(pairs ? 0 : transposed_ld(kBlockN) * E);  // K^T, (E x n), row stride ldt
+      hd.vt_buf.resize(pairs ? 0 : transposed_ld(kBlockN) * Ev);  // V^T, (Ev x n), row stride ldt
     }
     Buffer<acc_t> o_buf(kBlockM * Ev);
     Buffer<acc_t> p_buf(kBlockM * kBlockN), dp_buf(kBlockM * kBlockN), raw(softcap ? kBlockN : 0);
@@ -262,29 +265,38 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
         }
         std::fill(hd.dq_acc.begin(), hd.dq_acc.end(), acc_t(0));
         int64_t ldo = 0;
-        hd.qh = amx ? nullptr
+        hd.qh = pairs ? nullptr
                     : load_tile(q + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row, p.q_stride.col, L, E,
                                 hd.q_buf.data(), &hd.ldq);
         hd.doh = load_tile(dout + b * p.grad_out_stride.b + h * p.grad_out_stride.h, p.grad_out_stride.row,
                            p.grad_out_stride.col, L, Ev, hd.do_buf.data(), &hd.lddo);
-        for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {  // D = rowsum(dO * O)
-          const int64_t m = std::min(kBlockM, L - i0);
-          const acc_t* ot = load_tile(o + b * p.out_stride.b + h * p.out_stride.h + i0 * p.out_stride.row,
-                                      p.out_stride.row, p.out_stride.col, m, Ev, o_buf.data(), &ldo);
-          for (int64_t r = 0; r < m; ++r)
-            hd.row_d[i0 + r] = Ops::dot(hd.doh + (i0 + r) * hd.lddo, ot + r * ldo, Ev);
-        }
         if constexpr (kBf16) {
-          if (amx) {
-            AmxBwdBuffers::pack_head(q + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row, p.q_stride.col, L, E,
+          if (pairs) {
+            PairBwdBuffers::pack_head(q + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.row, p.q_stride.col, L, E,
                                      hd.ab->e_pad, hd.ab->q_rows.data(), hd.ab->q_pairs.data());
-            AmxBwdBuffers::pack_head(dout + b * p.grad_out_stride.b + h * p.grad_out_stride.h,
+            PairBwdBuffers::pack_head(dout + b * p.grad_out_stride.b + h * p.grad_out_stride.h,
                                      p.grad_out_stride.row, p.grad_out_stride.col, L, Ev, hd.ab->ev_pad,
                                      hd.ab->do_rows.data(), hd.ab->do_pairs.data());
           }
         }
+        for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {  // D = rowsum(dO * O)
+          const int64_t m = std::min(kBlockM, L - i0);
+          const scalar_t* o_blk = o + b * p.out_stride.b + h * p.out_stride.h + i0 * p.out_stride.row;
+          if constexpr (kBf16) {
+            if (pairs) {  // in dP's arithmetic, where this path can (cpu::row_dots_bf16_pairs)
+              PairBwdBuffers* ab = hd.ab.get();
+              pack_a_bf16(o_blk, p.out_stride.row, p.out_stride.col, m, Ev, m, ab->ev_pad, ab->o_rows.data());
+              if (cpu::row_dots_bf16_pairs(ab->do_rows.data() + i0 * ab->ev_pad, ab->ev_pad, ab->o_rows.data(),
+                                           ab->ev_pad, m, ab->ev_pad, hd.row_d.data() + i0))
+                continue;
+            }
+          }
+          const acc_t* ot = load_tile(o_blk, p.out_stride.row, p.out_stride.col, m, Ev, o_buf.data(), &ldo);
+          for (int64_t r = 0; r < m; ++r)
+            hd.row_d[i0 + r] = Ops::dot(hd.doh + (i0 + r) * hd.lddo, ot + r * ldo, Ev);
+        }
         hd.lse_h = lse + sp.lse_index(b, h, 0);
-        exact_row_stats(sp, hd, b);  // after the packing: on AMX its products read q_rows
+        exact_row_stats(sp, hd, b);  // after the packing: on pair products they read q_rows
       }
 
       for (int64_t j0 = 0; j0 < S; j0 += kBlockN) {
@@ -302,19 +314,19 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
               std::all_of(heads.begin(), heads.end(),
                           [&](const Head& hd) { return bool_mask_hides_tile(sp, b, hd.h, 1, i0, m, j0, nq); }))
             continue;
-          const int64_t lds = amx ? round32(nq) : nq;  // P and dP row stride
+          const int64_t lds = pairs ? round32(nq) : nq;  // P and dP row stride
           for (Head& hd : heads) {
             const int64_t h = hd.h;
-            [[maybe_unused]] AmxBwdBuffers* ab = hd.ab.get();
-            const acc_t* qt = amx ? nullptr : hd.qh + i0 * hd.ldq;
+            [[maybe_unused]] PairBwdBuffers* ab = hd.ab.get();
+            const acc_t* qt = pairs ? nullptr : hd.qh + i0 * hd.ldq;
             const acc_t* dot = hd.doh + i0 * hd.lddo;
             const acc_t* v_t = hd.vt_buf.data();
             acc_t* pt = p_buf.data();
             acc_t* dpt = dp_buf.data();
             scores(hd, i0, m, n, nq, pt);
-            if (amx) {
+            if (pairs) {
               if constexpr (std::is_same_v<acc_t, float>) {
-                cpu::amx_gemm_bf16(round32(m), lds, ab->ev_pad, ab->do_rows.data() + i0 * ab->ev_pad, ab->ev_pad,
+                cpu::gemm_bf16_pairs(round32(m), lds, ab->ev_pad, ab->do_rows.data() + i0 * ab->ev_pad, ab->ev_pad,
                                    ab->v_tp.data(), 2 * n32, dpt, lds, false);  // dP = dO V^T
               }
             } else {
@@ -347,13 +359,13 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
               }
               if (softcap) softcap_grad_row(p, raw.data(), nq, unit, dprow);
             }
-            if (amx) {
+            if (pairs) {
               if constexpr (std::is_same_v<acc_t, float>) {
                 ab->gemm_at(pt, lds, m, nq, ab->do_pairs.data() + i0 * ab->ev_pad, ab->ev_pad, ab->dv_tile.data(),
                             ab->ev_pad);  // dV += P~^T dO
                 for (int64_t r = 0; r < m; ++r) Ops::scale(dpt + r * lds, nq, scale);  // scale dS for dQ and dK
-                cpu::amx_pack_float_rows(dpt, lds, m, nq, round32(m), lds, ab->a_bf.data());
-                cpu::amx_gemm_bf16(round32(m), ab->e_pad, lds, ab->a_bf.data(), lds, ab->k_pairs.data(),
+                cpu::pack_bf16_rows(dpt, lds, m, nq, round32(m), lds, ab->a_bf.data());
+                cpu::gemm_bf16_pairs(round32(m), ab->e_pad, lds, ab->a_bf.data(), lds, ab->k_pairs.data(),
                                    2 * ab->e_pad, hd.dq_acc.data() + i0 * ldq_acc, ldq_acc, true);  // dQ += scale dS K
                 ab->gemm_at(dpt, lds, m, nq, ab->q_pairs.data() + i0 * ab->e_pad, ab->e_pad, ab->dk_tile.data(),
                             ab->e_pad);  // dK += scale dS^T Q
@@ -368,9 +380,9 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
             }
           }
         }
-        if (amx) {  // the tile's dK and dV, unpadded
+        if (pairs) {  // the tile's dK and dV, unpadded
           for (Head& hd : heads) {
-            const AmxBwdBuffers* ab = hd.ab.get();
+            const PairBwdBuffers* ab = hd.ab.get();
             for (int64_t j = 0; j < n; ++j) {
               std::copy(ab->dk_tile.begin() + j * ab->e_pad, ab->dk_tile.begin() + j * ab->e_pad + E,
                         hd.dk + (j0 + j) * hd.ld_dk);

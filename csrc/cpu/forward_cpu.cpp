@@ -46,29 +46,30 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   const acc_t rescale = static_cast<acc_t>(p.dropout.rescale);
   acc_t* lse = static_cast<acc_t*>(p.lse);
 
-  // bfloat16 on AMX: Q, K, V and P stay bfloat16 and multiply on the tile
-  // unit (float accumulation), padded to multiples of 32; S and O are float.
+  // bfloat16 on pair products (Isa::kAvx512Bf16: vdpbf16ps; Isa::kAmx: the
+  // tile unit): Q, K, V and P stay bfloat16 and multiply in pairs with float
+  // sums (cpu::gemm_bf16_pairs), padded to multiples of 32; S and O are float.
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  const bool amx = kBf16 && cpu::active_isa() == cpu::Isa::kAmx;
+  const bool pairs = kBf16 && cpu::active_isa() >= cpu::Isa::kAvx512Bf16;
   const int64_t e_pad = round32(E), ev_pad = round32(Ev);
-  const int64_t ldo = amx ? ev_pad : Ev;  // o_acc row stride
-  // On AMX the products give unscaled scores: without a float mask (added to
+  const int64_t ldo = pairs ? ev_pad : Ev;  // o_acc row stride
+  // Pair products give unscaled scores: without a float mask (added to
   // scaled scores) and with scale > 0 (so the row max scales with it), the
   // scale moves into the exponential's argument instead of a pass of its own.
-  const bool fold_scale = amx && p.mask_kind != MaskKind::kFloat && !p.variant.changes_scores() && scale > acc_t(0);
+  const bool fold_scale = pairs && p.mask_kind != MaskKind::kFloat && !p.variant.changes_scores() && scale > acc_t(0);
   // and without dropout, the exponential writes P in bfloat16 straight away
-  const bool fuse_p = amx && !p.dropout.enabled();
+  const bool fuse_p = pairs && !p.dropout.enabled();
 
   // Work item: (batch, head, chunk of kChunkM query rows); in a varlen batch
   // L is the longest sequence's and the chunks past a sequence's end are empty. K^T of the whole
-  // key head (on AMX: K and V in the tile unit's pair layouts) is packed when
+  // key head (on pair products: K and V in their pair layouts) is packed when
   // a thread's item moves to another key head; consecutive items are chunks of
   // one head, so a head is packed about once per thread rather than once per
   // chunk (O(S) memory per thread; with a mask shared by the heads the order
   // is different, see heads_inner). Each kBlockM-row query block of a chunk
   // then reads its key/value tile from there.
   const int64_t s32 = round32(p.len_kv);
-  // K's pair rows on AMX, 32 bf16 longer than the head: at exactly 2 s32 a
+  // K's pair rows, 32 bf16 longer than the head: at exactly 2 s32 a
   // long head put the 16 rows of a tile load 8 KiB apart, all in one L1 set
   // (the tile loads of S = Q K^T were two thirds of the forward's product time)
   const int64_t ld_kbf = 2 * s32 + 32;
@@ -89,15 +90,15 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
   // ours, before -> after): 4 x 12 heads x 64, S = 4096: 1.03 -> 1.33-1.54,
   // S = 32768: 0.93 -> 1.29-1.66; with GQA (8 on 2 heads x 64) it lost
   // (1.07 -> 0.87-0.91 at S = 4096).
-  const bool row_dots = !amx && L <= kRowDotRows && G == 1;
+  const bool row_dots = !pairs && L <= kRowDotRows && G == 1;
   at::parallel_for(0, p.batch * H * n_chunks, 1, [&](int64_t begin, int64_t end) {
-    const cpu::ReleaseTiles release{amx};  // (the tile unit's state, given back at the task's end)
-    Buffer<acc_t> q_buf(amx ? 0 : kChunkM * E), kt_head(amx || row_dots ? 0 : E * ldkt),
-        v_buf(amx ? 0 : kBlockN * Ev), k_rows(row_dots ? kBlockN * E : 0);
+    const cpu::ReleaseTiles release{pairs && cpu::active_isa() == cpu::Isa::kAmx};  // (the tile unit's state, given back at the task's end)
+    Buffer<acc_t> q_buf(pairs ? 0 : kChunkM * E), kt_head(pairs || row_dots ? 0 : E * ldkt),
+        v_buf(pairs ? 0 : kBlockN * Ev), k_rows(row_dots ? kBlockN * E : 0);
     Buffer<acc_t> s_buf(kBlockM * kBlockN), o_acc(kChunkM * ldo), row_max(kChunkM),
         row_sum(kChunkM);
-    Buffer<uint16_t> q_bf(amx ? kChunkM * e_pad : 0), k_bf(amx ? e_pad / 2 * ld_kbf : 0),
-        v_bf(amx ? s32 * ev_pad : 0), v_edge(amx ? kBlockN * ev_pad : 0), p_bf(amx ? kBlockM * kBlockN : 0);
+    Buffer<uint16_t> q_bf(pairs ? kChunkM * e_pad : 0), k_bf(pairs ? e_pad / 2 * ld_kbf : 0),
+        v_bf(pairs ? s32 * ev_pad : 0), v_edge(pairs ? kBlockN * ev_pad : 0), p_bf(pairs ? kBlockM * kBlockN : 0);
     std::vector<uint8_t> keep(kBlockN);
     int64_t packed_head = -1;
     for (int64_t w = begin; w < end; ++w) {
@@ -119,22 +120,22 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
         packed_head = b * p.heads_kv + hk;
         const scalar_t* k_head = k + b * p.k_stride.b + hk * p.k_stride.h;
         if constexpr (kBf16) {
-          if (amx) {
+          if (pairs) {
             pack_kt_pairs(k_head, p.k_stride.row, p.k_stride.col, S_kv, E, s32, e_pad, ld_kbf, k_bf.data());
             pack_v_pairs(v + b * p.v_stride.b + hk * p.v_stride.h, p.v_stride.row, p.v_stride.col, S_kv, Ev, s32,
                          ev_pad, v_bf.data());
           }
         }
-        if (!amx && !row_dots)
+        if (!pairs && !row_dots)
           load_tile_transposed(k_head, p.k_stride.row, p.k_stride.col, S_kv, E, kt_head.data(), ldkt);
       }
       int64_t ldq = 0, ldv = 0;
       const scalar_t* q_chunk = q + b * p.q_stride.b + h * p.q_stride.h + c0 * p.q_stride.row;
       const acc_t* qc = nullptr;
       if constexpr (kBf16) {
-        if (amx) pack_a_bf16(q_chunk, p.q_stride.row, p.q_stride.col, cm, E, round32(cm), e_pad, q_bf.data());
+        if (pairs) pack_a_bf16(q_chunk, p.q_stride.row, p.q_stride.col, cm, E, round32(cm), e_pad, q_bf.data());
       }
-      if (!amx) qc = load_tile(q_chunk, p.q_stride.row, p.q_stride.col, cm, E, q_buf.data(), &ldq);
+      if (!pairs) qc = load_tile(q_chunk, p.q_stride.row, p.q_stride.col, cm, E, q_buf.data(), &ldq);
       std::fill(o_acc.begin(), o_acc.begin() + round32(cm) * ldo, acc_t(0));
       std::fill(row_max.begin(), row_max.end(), kNegInf);
       std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
@@ -148,9 +149,9 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
         if (bool_mask && bool_mask_hides_tile(sp, b, h, 1, c0, cm, j0, n)) continue;
         const scalar_t* v_tile = v + b * p.v_stride.b + hk * p.v_stride.h + j0 * p.v_stride.row;
         const acc_t* k_t = kt_head.data() + j0;  // K^T of the tile, (E x n), row stride ldkt
-        const uint16_t* k_bf_tile = k_bf.data() + 2 * j0;  // AMX: pair rows, ld_kbf apart
-        const uint16_t* v_bf_tile = v_bf.data() + j0 * ev_pad;  // AMX: pair rows from key j0
-        const acc_t* vt = amx ? nullptr : load_tile(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, v_buf.data(), &ldv);
+        const uint16_t* k_bf_tile = k_bf.data() + 2 * j0;  // pairs: pair rows, ld_kbf apart
+        const uint16_t* v_bf_tile = v_bf.data() + j0 * ev_pad;  // pairs: pair rows from key j0
+        const acc_t* vt = pairs ? nullptr : load_tile(v_tile, p.v_stride.row, p.v_stride.col, n, Ev, v_buf.data(), &ldv);
         int64_t ldk = 0;  // row_dots: K's rows of the tile, (n x E), in place where they can be
         const acc_t* kr = row_dots ? load_tile(k + b * p.k_stride.b + hk * p.k_stride.h + j0 * p.k_stride.row,
                                                p.k_stride.row, p.k_stride.col, n, E, k_rows.data(), &ldk)
@@ -162,10 +163,10 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
           if (bool_mask && bool_mask_hides_tile(sp, b, h, 1, i0, m, j0, nq)) continue;  // nor does the mask show it
           acc_t* s = s_buf.data();
           acc_t* o_blk = o_acc.data() + r0 * ldo;
-          const int64_t lds = amx ? round32(nq) : nq;  // S row stride
-          if (amx) {  // S = Q K^T on tiles, then the scale (unless it rides in the exponential)
+          const int64_t lds = pairs ? round32(nq) : nq;  // S row stride
+          if (pairs) {  // S = Q K^T in pairs, then the scale (unless it rides in the exponential)
             if constexpr (std::is_same_v<acc_t, float>) {
-              cpu::amx_gemm_bf16(round32(m), lds, e_pad, q_bf.data() + r0 * e_pad, e_pad, k_bf_tile, ld_kbf, s,
+              cpu::gemm_bf16_pairs(round32(m), lds, e_pad, q_bf.data() + r0 * e_pad, e_pad, k_bf_tile, ld_kbf, s,
                                  lds, false);
               if (!fold_scale)
                 for (int64_t r = 0; r < m; ++r) Ops::scale(s + r * lds, nq, scale);
@@ -194,7 +195,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
             const acc_t mul = fold_scale ? scale : acc_t(1);
             acc_t sum;
             if constexpr (kBf16) {
-              sum = fuse_p ? cpu::amx_exp2_sub_sum_bf16(srow, nq, mul, new_max, p_bf.data() + r * lds, lds)
+              sum = fuse_p ? cpu::exp2_sub_sum_bf16(srow, nq, mul, new_max, p_bf.data() + r * lds, lds)
                            : Ops::exp_sub_sum(srow, nq, mul, new_max);
             } else {
               sum = Ops::exp_sub_sum(srow, nq, mul, new_max);
@@ -207,10 +208,10 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
               Ops::apply_keep(srow, keep.data(), nq, rescale);
             }
           }
-          if (amx) {  // O += P V on tiles, P rounded to bfloat16
+          if (pairs) {  // O += P V in pairs, P rounded to bfloat16
             if constexpr (kBf16) {
               if (!fuse_p) {
-                cpu::amx_pack_float_rows(s, lds, m, nq, round32(m), lds, p_bf.data());
+                cpu::pack_bf16_rows(s, lds, m, nq, round32(m), lds, p_bf.data());
               } else if (m < round32(m)) {
                 std::fill(p_bf.begin() + m * lds, p_bf.begin() + round32(m) * lds, uint16_t(0));
               }
@@ -220,7 +221,7 @@ void attention_fwd_kernel(const AttentionFwdParams& p) {
                 pack_v_pairs(v_tile, p.v_stride.row, p.v_stride.col, nq, Ev, lds, ev_pad, v_edge.data());
                 vb = v_edge.data();
               }
-              cpu::amx_gemm_bf16(round32(m), ev_pad, lds, p_bf.data(), lds, vb, 2 * ev_pad, o_blk, ldo, true);
+              cpu::gemm_bf16_pairs(round32(m), ev_pad, lds, p_bf.data(), lds, vb, 2 * ev_pad, o_blk, ldo, true);
             }
           } else {
             cpu::gemm(m, Ev, nq, acc_t(1), s, nq, 1, vt, ldv, acc_t(1), o_blk, Ev);  // O += P V

@@ -286,13 +286,16 @@ Isa detect_isa() {
   if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("bmi2"))
     best = Isa::kAvx512;
-  if (best == Isa::kAvx512 && amx_bf16_usable()) best = Isa::kAmx;
+  if (best == Isa::kAvx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vl"))
+    best = Isa::kAvx512Bf16;
+  if (best == Isa::kAvx512Bf16 && amx_bf16_usable()) best = Isa::kAmx;
 #endif
   if (const char* env = std::getenv("MHA_EXT_CPU_ISA")) {
     Isa want = best;
     if (std::strcmp(env, "generic") == 0) want = Isa::kGeneric;
     if (std::strcmp(env, "avx2") == 0) want = Isa::kAvx2;
     if (std::strcmp(env, "avx512") == 0) want = Isa::kAvx512;
+    if (std::strcmp(env, "avx512bf16") == 0) want = Isa::kAvx512Bf16;
     if (std::strcmp(env, "amx") == 0) want = Isa::kAmx;
     if (static_cast<int>(want) < static_cast<int>(best)) best = want;  // never above the CPU
   }
@@ -309,6 +312,7 @@ Isa active_isa() {
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::kAmx: return "amx";
+    case Isa::kAvx512Bf16: return "avx512bf16";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
     default: return "generic";
@@ -321,6 +325,7 @@ void gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* a, int64_t 
 #if MHA_X86
   switch (active_isa()) {
     case Isa::kAmx:
+    case Isa::kAvx512Bf16:
     case Isa::kAvx512: return gemm_avx512(M, N, K, alpha, a, a_rs, a_cs, b, ldb, beta, c, ldc);
     case Isa::kAvx2: return gemm_avx2(M, N, K, alpha, a, a_rs, a_cs, b, ldb, beta, c, ldc);
     default: break;

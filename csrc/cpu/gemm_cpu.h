@@ -15,10 +15,13 @@
 // in the same run),
 // an AVX2+FMA one (6 x 16 in 12 ymm, 31-38 GFLOP/s a core on a Zen 1 EPYC) and portable C++;
 // double (the gradcheck path) uses the portable loop.
-// AMX (with AVX-512): bfloat16 tiles multiply on the tile unit instead
-// (amx_gemm_bf16 below; the float routines stay on AVX-512).
-// MHA_EXT_CPU_ISA=generic|avx2|avx512|amx forces a path, never one above what
-// the CPU has (tests run each path that way); unset, the best it has is used.
+// AVX512-BF16 (with AVX-512): the bfloat16 forward and backward multiply
+// bfloat16 pairs by vdpbf16ps instead of widening to float; with AMX they
+// do so on the tile unit (gemm_bf16_pairs below; the float routines stay on
+// AVX-512).
+// MHA_EXT_CPU_ISA=generic|avx2|avx512|avx512bf16|amx forces a path, never one
+// above what the CPU has (tests run each path that way); unset, the best it
+// has is used.
 #pragma once
 
 #include <cstddef>
@@ -48,7 +51,10 @@ struct LineAllocator {
 template <typename T>
 using Buffer = std::vector<T, LineAllocator<T>>;
 
-enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+// Each path includes the ones below it: kAvx512Bf16 is AVX-512 with
+// AVX512-BF16's vdpbf16ps (bfloat16 pair products, float sums), kAmx that and
+// the AMX tile unit.
+enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 inline bool operator>=(Isa a, Isa b) { return static_cast<int>(a) >= static_cast<int>(b); }
 
 // The path in use (decided once per process).
@@ -77,25 +83,37 @@ void philox_keep64(uint64_t seed, uint64_t row, uint64_t group0, uint32_t thresh
 // AMX: whether the CPU has AMX-TILE and AMX-BF16 and the kernel lets this
 // process use the tile registers (asked for once, as the Linux ABI requires).
 bool amx_bf16_usable();
-// C (M x N float, ldc) = A B, or += A B with accumulate: A (M x K bfloat16
-// bits, row-major, lda), B in the tile unit's pair-interleaved layout: row r
-// holds B(2r, n), B(2r + 1, n) for n = 0 .. N - 1 (ldb bf16 per row). M and
-// N multiples of 32, K of 32; only on Isa::kAmx. Each C element sums its
-// products in a fixed order (reproducible like gemm above).
-void amx_gemm_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda, const uint16_t* b,
+// bfloat16 pair products (Isa::kAvx512Bf16 and above): C (M x N float, ldc)
+// = A B, or += A B with accumulate: A (M x K bfloat16 bits, row-major, lda),
+// B in the pair-interleaved layout: row r holds B(2r, n), B(2r + 1, n) for
+// n = 0 .. N - 1 (ldb bf16 per row). M and N multiples of 32, K of 32. On
+// the tile unit (Isa::kAmx) or by vdpbf16ps; each C element sums its
+// products in a fixed order on either (reproducible like gemm above; the two
+// orders differ).
+void gemm_bf16_pairs(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda, const uint16_t* b,
                    int64_t ldb, float* c, int64_t ldc, bool accumulate);
-// Operand packing for amx_gemm_bf16 (Isa::kAmx only), zero-padded:
+// out[r] = sum of a(r, c) b(r, c) over c < n (bfloat16 bits, rows r < rows,
+// row strides lda / ldb, n even) in the arithmetic of gemm_bf16_pairs on this
+// path, so that it is bit-equal to the product's element where b's row is a
+// row of B^T and the product started from zero (the backward's D = rowsum(dO
+// O) against dP = dO V^T: a row whose output is one value row then gets dP -
+// D = 0 exactly, as the float paths do). False, nothing written, on the tile
+// unit (Isa::kAmx), whose sums this routine does not reproduce, and below
+// Isa::kAvx512Bf16.
+bool row_dots_bf16_pairs(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t rows, int64_t n,
+                         float* out);
+// Operand packing for gemm_bf16_pairs (Isa::kAvx512Bf16 and above), zero-padded:
 // dst (rows_pad x ld) = bfloat16 (round to nearest even) of src rows x cols
-void amx_pack_float_rows(const float* src, int64_t lds, int64_t rows, int64_t cols, int64_t rows_pad, int64_t ld,
+void pack_bf16_rows(const float* src, int64_t lds, int64_t rows, int64_t cols, int64_t rows_pad, int64_t ld,
                          uint16_t* dst);
-// P of the AMX forward: dst[i] = bfloat16 of 2^(mul x[i] - sub) for i < n
+// P of the forward on pair products: dst[i] = bfloat16 of 2^(mul x[i] - sub) for i < n
 // (a degree-4 polynomial, 3e-6 relative before rounding), 0 up to n_pad (a
 // multiple of 16); returns the sum of the unrounded values. x is not written.
-float amx_exp2_sub_sum_bf16(const float* x, int64_t n, float mul, float sub, uint16_t* dst, int64_t n_pad);
+float exp2_sub_sum_bf16(const float* x, int64_t n, float mul, float sub, uint16_t* dst, int64_t n_pad);
 // pair rows of a contiguous-row bfloat16 matrix (n x cols, row stride rs):
 // dst row t (ld bf16) = src[2t][0], src[2t + 1][0], src[2t][1], ...; rows
 // beyond n and columns beyond cols (up to cols_pad) are zero
-void amx_pack_row_pairs(const uint16_t* src, int64_t rs, int64_t n, int64_t cols, int64_t n_pad, int64_t cols_pad,
+void pack_row_pairs_bf16(const uint16_t* src, int64_t rs, int64_t n, int64_t cols, int64_t n_pad, int64_t cols_pad,
                         int64_t ld, uint16_t* dst);
 // The decode kernel's products on the tile unit (Isa::kAmx; false, nothing
 // written, on another path or where E or Ev is not a multiple of 32 up to

@@ -1,6 +1,6 @@
 // What the CPU forward and backward kernels share (forward_cpu.cpp, decode_cpu.cpp,
 // backward_cpu.cpp): tile sizes, the row operations in the kernels' units,
-// per-thread buffers, tile loads and transposes, the AMX operand packing, the
+// per-thread buffers, tile loads and transposes, the bfloat16 pair operands' packing, the
 // one score transform of the attention variants (transform_row) and the
 // visible key ranges. Internal to those two files.
 #pragma once
@@ -404,8 +404,8 @@ void softcap_grad_row(const AttentionFwdParams& p, const acc_t* raw, int64_t n, 
 
 
 // ---------------------------------------------------------------------------
-// AMX operands (bfloat16 forward on Isa::kAmx): bfloat16 bits, zero-padded to
-// the 32-multiples amx_gemm_bf16 works in.
+// Pair-product operands (bfloat16 on Isa::kAvx512Bf16 and above): bfloat16
+// bits, zero-padded to the 32-multiples gemm_bf16_pairs works in.
 inline int64_t round32(int64_t x) { return (x + 31) / 32 * 32; }
 
 inline uint16_t bf16_bits(c10::BFloat16 x) { return x.x; }
@@ -450,7 +450,7 @@ inline void pack_kt_pairs(const c10::BFloat16* k, int64_t rs, int64_t cs, int64_
 inline void pack_v_pairs(const c10::BFloat16* v, int64_t rs, int64_t cs, int64_t n, int64_t Ev, int64_t n_pad,
                          int64_t ev_pad, uint16_t* dst) {
   const int64_t ld = 2 * ev_pad;
-  if (cs == 1) return cpu::amx_pack_row_pairs(reinterpret_cast<const uint16_t*>(v), rs, n, Ev, n_pad, ev_pad, ld, dst);
+  if (cs == 1) return cpu::pack_row_pairs_bf16(reinterpret_cast<const uint16_t*>(v), rs, n, Ev, n_pad, ev_pad, ld, dst);
   for (int64_t j = 0; j < n_pad; ++j) {
     uint16_t* d = dst + (j / 2) * ld + (j & 1);
     const c10::BFloat16* row = v + j * rs;

@@ -314,8 +314,7 @@ void dot_rows_16(const float* q, int64_t R, int64_t E, const uint16_t* k, int64_
 bool dot_rows_bf16(const uint16_t* q, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n, float* s,
                    int64_t lds, bool far_fetch, int64_t rows_after) {
 #if MHA_X86
-  static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
-  if (active_isa() >= Isa::kAvx512 && has_bf16) {
+  if (active_isa() >= Isa::kAvx512Bf16) {
     dot_rows_avx512<3>(q, R, E, k, ldk, n, s, lds, far_fetch, rows_after);
     return true;
   }

@@ -305,8 +305,7 @@ bool acc_rows(const float* p, int64_t R, int64_t n, int64_t ldp, const float* v,
 bool acc_rows_16(const float* p, int64_t R, int64_t n, int64_t ldp, const uint16_t* v, int64_t ldv, int64_t Ev,
                  float* o, int64_t ldo, bool bf16, bool far_fetch, int64_t rows_after) {
 #if MHA_X86
-  static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
-  if (bf16 && active_isa() >= Isa::kAvx512 && has_bf16) {
+  if (bf16 && active_isa() >= Isa::kAvx512Bf16) {
     acc_rows_avx512<3>(p, R, n, ldp, v, ldv, Ev, o, ldo, far_fetch, rows_after);
     return true;
   }

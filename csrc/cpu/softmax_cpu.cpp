@@ -306,7 +306,7 @@ bool mask_add(float* s, const float* m, int64_t n, float unit) {
   return false;
 }
 
-float amx_exp2_sub_sum_bf16(const float* x, int64_t n, float mul, float sub, uint16_t* dst, int64_t n_pad) {
+float exp2_sub_sum_bf16(const float* x, int64_t n, float mul, float sub, uint16_t* dst, int64_t n_pad) {
 #if MHA_X86
   return exp2_sub_sum_bf16_avx512(x, n, mul, sub, dst, n_pad);
 #else
