@@ -88,10 +88,27 @@ print("ok")
 
 
 def _supported():
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    return {"generic": True, "avx2": " avx2" in flags and " fma" in flags, "avx512": " avx512f" in flags,
-            "avx512bf16": " avx512f" in flags and " avx512_bf16" in flags,
-            "amx": " avx512f" in flags and " amx_bf16" in flags and " amx_tile" in flags}
+    """The paths this CPU can run, from /proc/cpuinfo's flags, as the library
+    decides them (gemm_cpu.cpp, detect_isa): each needs the one before it."""
+    text = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    flags = set(text.split())
+    has = {"generic": True}
+    has["avx2"] = {"avx2", "fma"} <= flags
+    has["avx512"] = has["avx2"] and {"avx512f", "avx512bw", "bmi2"} <= flags
+    has["avx512bf16"] = has["avx512"] and {"avx512_bf16", "avx512vl"} <= flags
+    has["amx"] = has["avx512bf16"] and {"amx_bf16", "amx_tile"} <= flags
+    return has
+
+
+def test_unset_the_best_path_the_cpu_has_is_taken():
+    # (AMX also needs the kernel's leave to use the tile state; a CPU with it takes amx)
+    sup = _supported()
+    want = next(isa for isa in ("amx", "avx512bf16", "avx512", "avx2", "generic") if sup[isa])
+    env = {k: v for k, v in os.environ.items() if k != "MHA_EXT_CPU_ISA"}
+    res = subprocess.run([sys.executable, "-c", "import mha_ext; print(mha_ext.ops.cpu_isa())"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == want
 
 
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512bf16", "amx"])
