@@ -26,6 +26,34 @@ for dtype, tol in ((torch.float32, 2e-4), (torch.bfloat16, 6e-2)):
         torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
         for a, b in zip(grads, ref_grads):
             torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
+# no dropout and no float mask: on the bfloat16 pair products the scale rides in the exponential and
+# P is written in bfloat16 by it (fold_scale, fuse_p); a bool mask with a row that sees no key; and
+# in bfloat16 (exact products) the backward's D of a one-hot row (huge logits) against its dP: dK
+# stays that of the reference (0)
+for dtype, tol in ((torch.float32, 2e-4), (torch.bfloat16, 6e-2)):
+    for causal in (False, True):
+        q = torch.randn(2, 4, 77, 40).to(dtype).requires_grad_()
+        k = torch.randn(2, 2, 290, 40).to(dtype).requires_grad_()
+        v = torch.randn(2, 2, 290, 24).to(dtype).requires_grad_()
+        b = torch.rand(2, 1, 77, 290) > 0.3
+        b[1, 0, 5] = False
+        out = torch.ops.mha_ext.attention(q, k, v, b, 0.0, causal, None, True)[0]
+        g = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), g)
+        ref = R.attention(q, k, v, attn_mask=b, is_causal=causal, enable_gqa=True)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), g.double())
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+        for a, r in zip(grads, ref_grads):
+            torch.testing.assert_close(a.double(), r.double(), rtol=tol, atol=tol)
+for seed in range(3):
+    torch.manual_seed(seed)
+    q = (torch.randn(1, 2, 37, 16, dtype=torch.float64) * 1e37).bfloat16().requires_grad_()
+    k, v = (torch.randn(1, 2, 45, 16).bfloat16().requires_grad_() for _ in range(2))
+    g = torch.randn(1, 2, 37, 16).bfloat16()
+    dk = torch.autograd.grad(torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, False)[0], k, g)[0]
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    dk_ref = torch.autograd.grad(R.attention(qr, kr, vr), kr, g.double())[0]
+    torch.testing.assert_close(dk.double(), dk_ref, rtol=0, atol=0.03)
 # the decode path (few rows per key/value head, no dropout): dot_rows, acc_rows and the widening of
 # bfloat16 / float16 rows; 8 and 16 rows a key/value head (16: one row a vector lane), 701 keys (a
 # last tile of 189: a partial block of keys)
@@ -101,14 +129,16 @@ def _supported():
 
 
 def test_unset_the_best_path_the_cpu_has_is_taken():
-    # (AMX also needs the kernel's leave to use the tile state; a CPU with it takes amx)
     sup = _supported()
     want = next(isa for isa in ("amx", "avx512bf16", "avx512", "avx2", "generic") if sup[isa])
+    # AMX also needs the kernel's leave to use the tile state (arch_prctl, Linux 5.16 on); where it
+    # is refused the library takes the path below
+    accept = {"amx", "avx512bf16"} if want == "amx" else {want}
     env = {k: v for k, v in os.environ.items() if k != "MHA_EXT_CPU_ISA"}
     res = subprocess.run([sys.executable, "-c", "import mha_ext; print(mha_ext.ops.cpu_isa())"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.strip() == want
+    assert res.stdout.strip() in accept, (res.stdout, accept)
 
 
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512bf16", "amx"])

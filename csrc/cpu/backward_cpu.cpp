@@ -283,7 +283,7 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
           const int64_t m = std::min(kBlockM, L - i0);
           const scalar_t* o_blk = o + b * p.out_stride.b + h * p.out_stride.h + i0 * p.out_stride.row;
           if constexpr (kBf16) {
-            if (pairs) {  // in dP's arithmetic, where this path can (cpu::row_dots_bf16_pairs)
+            if (pairs && cpu::active_isa() == cpu::Isa::kAvx512Bf16) {  // in dP's arithmetic (not on the tile unit)
               PairBwdBuffers* ab = hd.ab.get();
               pack_a_bf16(o_blk, p.out_stride.row, p.out_stride.col, m, Ev, m, ab->ev_pad, ab->o_rows.data());
               if (cpu::row_dots_bf16_pairs(ab->do_rows.data() + i0 * ab->ev_pad, ab->ev_pad, ab->o_rows.data(),
