@@ -29,7 +29,8 @@ for dtype, tol in ((torch.float32, 2e-4), (torch.bfloat16, 6e-2)):
 # no dropout and no float mask: on the bfloat16 pair products the scale rides in the exponential and
 # P is written in bfloat16 by it (fold_scale, fuse_p); a bool mask with a row that sees no key; and
 # in bfloat16 (exact products) the backward's D of a one-hot row (huge logits) against its dP: dK
-# stays that of the reference (0)
+# stays that of the reference (0); at head dim 16 on every path (where the float paths' sums run in
+# the same order), at 64 and 128 on the pair products' D (row_dots_bf16_pairs: one and two passes)
 for dtype, tol in ((torch.float32, 2e-4), (torch.bfloat16, 6e-2)):
     for causal in (False, True):
         q = torch.randn(2, 4, 77, 40).to(dtype).requires_grad_()
@@ -45,11 +46,11 @@ for dtype, tol in ((torch.float32, 2e-4), (torch.bfloat16, 6e-2)):
         torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
         for a, r in zip(grads, ref_grads):
             torch.testing.assert_close(a.double(), r.double(), rtol=tol, atol=tol)
-for seed in range(3):
+for seed, E in [(s, 16) for s in range(3)] + ([(0, 64), (1, 128)] if "{isa}" == "avx512bf16" else []):
     torch.manual_seed(seed)
-    q = (torch.randn(1, 2, 37, 16, dtype=torch.float64) * 1e37).bfloat16().requires_grad_()
-    k, v = (torch.randn(1, 2, 45, 16).bfloat16().requires_grad_() for _ in range(2))
-    g = torch.randn(1, 2, 37, 16).bfloat16()
+    q = (torch.randn(1, 2, 37, E, dtype=torch.float64) * (1e37 if E == 16 else 1e36)).bfloat16().requires_grad_()
+    k, v = (torch.randn(1, 2, 45, E).bfloat16().requires_grad_() for _ in range(2))
+    g = torch.randn(1, 2, 37, E).bfloat16()
     dk = torch.autograd.grad(torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, False)[0], k, g)[0]
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     dk_ref = torch.autograd.grad(R.attention(qr, kr, vr), kr, g.double())[0]
