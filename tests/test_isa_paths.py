@@ -28,9 +28,10 @@ for dtype, tol in ((torch.float32, 2e-4), (torch.bfloat16, 6e-2)):
             torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
 # no dropout and no float mask: on the bfloat16 pair products the scale rides in the exponential and
 # P is written in bfloat16 by it (fold_scale, fuse_p); a bool mask with a row that sees no key; and
-# in bfloat16 (exact products) the backward's D of a one-hot row (huge logits) against its dP: dK
-# stays that of the reference (0); at head dim 16 on every path (where the float paths' sums run in
-# the same order), at 64 and 128 on the pair products' D (row_dots_bf16_pairs: one and two passes)
+# the backward's D of a one-hot row (huge logits) against its dP, each summed in the product's own
+# arithmetic (cpu::row_dots, row_dots_bf16_pairs): dK stays that of the reference (0), at head dims
+# 16, 64 and 128 (D in one and two blocks of the AVX-512 GEMM's 128, and the pair products' passes);
+# on the tile unit (amx) bfloat16 at 16 only, where the tile's sum and D's run in the same order
 for dtype, tol in ((torch.float32, 2e-4), (torch.bfloat16, 6e-2)):
     for causal in (False, True):
         q = torch.randn(2, 4, 77, 40).to(dtype).requires_grad_()
@@ -46,11 +47,13 @@ for dtype, tol in ((torch.float32, 2e-4), (torch.bfloat16, 6e-2)):
         torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
         for a, r in zip(grads, ref_grads):
             torch.testing.assert_close(a.double(), r.double(), rtol=tol, atol=tol)
-for seed, E in [(s, 16) for s in range(3)] + ([(0, 64), (1, 128)] if "{isa}" == "avx512bf16" else []):
+for dtype, seed, E in [(d, s, E) for d in (torch.float32, torch.bfloat16) for s, E in ((0, 16), (1, 16), (0, 64), (1, 128))
+                       if not ("{isa}" == "amx" and d == torch.bfloat16 and E > 16)]:
     torch.manual_seed(seed)
-    q = (torch.randn(1, 2, 37, E, dtype=torch.float64) * (1e37 if E == 16 else 1e36)).bfloat16().requires_grad_()
-    k, v = (torch.randn(1, 2, 45, E).bfloat16().requires_grad_() for _ in range(2))
-    g = torch.randn(1, 2, 37, E).bfloat16()
+    mul = 1e37 if (dtype == torch.bfloat16 and E == 16) else 1e36  # (float scores stay finite)
+    q = (torch.randn(1, 2, 37, E, dtype=torch.float64) * mul).to(dtype).requires_grad_()
+    k, v = (torch.randn(1, 2, 45, E).to(dtype).requires_grad_() for _ in range(2))
+    g = torch.randn(1, 2, 37, E).to(dtype)
     dk = torch.autograd.grad(torch.ops.mha_ext.attention(q, k, v, None, 0.0, False, None, False)[0], k, g)[0]
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     dk_ref = torch.autograd.grad(R.attention(qr, kr, vr), kr, g.double())[0]

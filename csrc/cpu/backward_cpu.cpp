@@ -292,8 +292,12 @@ void attention_bwd_kernel(const AttentionBwdParams& p) {
             }
           }
           const acc_t* ot = load_tile(o_blk, p.out_stride.row, p.out_stride.col, m, Ev, o_buf.data(), &ldo);
-          for (int64_t r = 0; r < m; ++r)
-            hd.row_d[i0 + r] = Ops::dot(hd.doh + (i0 + r) * hd.lddo, ot + r * ldo, Ev);
+          if constexpr (std::is_same_v<acc_t, float>) {  // in dP's arithmetic (cpu::row_dots)
+            cpu::row_dots(hd.doh + i0 * hd.lddo, hd.lddo, ot, ldo, m, Ev, hd.row_d.data() + i0);
+          } else {  // (double: the portable GEMM's order, one sum in k order)
+            for (int64_t r = 0; r < m; ++r)
+              hd.row_d[i0 + r] = Ops::dot(hd.doh + (i0 + r) * hd.lddo, ot + r * ldo, Ev);
+          }
         }
         hd.lse_h = lse + sp.lse_index(b, h, 0);
         exact_row_stats(sp, hd, b);  // after the packing: on pair products they read q_rows

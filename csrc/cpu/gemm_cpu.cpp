@@ -277,6 +277,62 @@ __attribute__((target("avx512f"))) void transpose_avx512(const float* src, int64
 }
 #endif  // MHA_X86
 
+#if MHA_X86
+// row_dots on each path: one row a lane, each lane's sum as gemm_* sums one C
+// element (the AVX-512 kernel: a fused multiply-add chain from zero in each
+// block of MHA_AVX512_KC, the blocks added in order; AVX2: one chain).
+__attribute__((target("avx512f,fma"))) void row_dots_avx512(const float* a, int64_t lda, const float* b, int64_t ldb,
+                                                            int64_t rows, int64_t n, float* out) {
+  constexpr int64_t kKC = MHA_AVX512_KC;
+  alignas(64) float ta[kKC * 16], tb[kKC * 16];  // (k, row): one row a lane
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const int64_t nr = std::min<int64_t>(16, rows - r0);
+    __m512 res = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < n; k0 += kKC) {
+      const int64_t kc = std::min(kKC, n - k0);
+      if (nr < 16) {
+        std::fill(ta, ta + kc * 16, 0.f);
+        std::fill(tb, tb + kc * 16, 0.f);
+      }
+      transpose_avx512(a + r0 * lda + k0, lda, nr, kc, ta, 16);
+      transpose_avx512(b + r0 * ldb + k0, ldb, nr, kc, tb, 16);
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < kc; ++k) acc = _mm512_fmadd_ps(_mm512_load_ps(ta + 16 * k), _mm512_load_ps(tb + 16 * k), acc);
+      res = k0 == 0 ? acc : _mm512_fmadd_ps(_mm512_set1_ps(1.f), res, acc);
+    }
+    _mm512_mask_storeu_ps(out + r0, static_cast<__mmask16>((1u << nr) - 1), res);
+  }
+}
+
+__attribute__((target("avx2,fma"))) void row_dots_avx2(const float* a, int64_t lda, const float* b, int64_t ldb,
+                                                       int64_t rows, int64_t n, float* out) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const int64_t nr = std::min<int64_t>(8, rows - r0);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < n; ++k) {
+      alignas(32) float va[8] = {}, vb[8] = {};
+      for (int64_t r = 0; r < nr; ++r) {
+        va[r] = a[(r0 + r) * lda + k];
+        vb[r] = b[(r0 + r) * ldb + k];
+      }
+      acc = _mm256_fmadd_ps(_mm256_load_ps(va), _mm256_load_ps(vb), acc);
+    }
+    alignas(32) float o[8];
+    _mm256_store_ps(o, acc);
+    std::copy(o, o + nr, out + r0);
+  }
+}
+#endif  // MHA_X86
+
+void row_dots_generic(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t rows, int64_t n,
+                      float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc = 0.f;  // (as gemm_generic: a product, then the sum)
+    for (int64_t k = 0; k < n; ++k) acc += a[r * lda + k] * b[r * ldb + k];
+    out[r] = acc;
+  }
+}
+
 Isa detect_isa() {
   Isa best = Isa::kGeneric;
 #if MHA_X86
@@ -338,6 +394,19 @@ void gemm(int64_t M, int64_t N, int64_t K, double alpha, const double* a, int64_
           int64_t a_cs, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
   if (M <= 0 || N <= 0) return;
   gemm_generic<double>(M, N, K, alpha, a, a_rs, a_cs, b, ldb, beta, c, ldc);
+}
+
+void row_dots(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t rows, int64_t n, float* out) {
+#if MHA_X86
+  switch (active_isa()) {
+    case Isa::kAmx:
+    case Isa::kAvx512Bf16:
+    case Isa::kAvx512: return row_dots_avx512(a, lda, b, ldb, rows, n, out);
+    case Isa::kAvx2: return row_dots_avx2(a, lda, b, ldb, rows, n, out);
+    default: break;
+  }
+#endif
+  row_dots_generic(a, lda, b, ldb, rows, n, out);
 }
 
 void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst, int64_t ldd) {

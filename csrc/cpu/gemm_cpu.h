@@ -63,6 +63,13 @@ const char* isa_name(Isa isa);
 
 void gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* a, int64_t a_rs,
           int64_t a_cs, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+// out[r] = sum over k < n of a[r * lda + k] b[r * ldb + k] for r < rows, each
+// summed as gemm above sums one C element (alpha 1, beta 0) on this path: the
+// same products in the same order with the same roundings. Where b's row is
+// bitwise a row of gemm's B^T the two are equal: the backward's D = rowsum(dO
+// O) against dP = dO V^T, so that a row whose output is one value row (a
+// one-hot P) gets dP - D = 0 exactly.
+void row_dots(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t rows, int64_t n, float* out);
 void gemm(int64_t M, int64_t N, int64_t K, double alpha, const double* a, int64_t a_rs,
           int64_t a_cs, const double* b, int64_t ldb, double beta, double* c, int64_t ldc);
 
