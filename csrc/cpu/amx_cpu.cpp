@@ -103,7 +103,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm_tiles(int64_t M, int64_t 
 // The same product by AVX512-BF16's vdpbf16ps, for CPUs without the tile
 // unit: 8 rows x 32 columns of C in 16 registers, a pair of A's row (one
 // 32-bit word) broadcast against a pair row of B's 32 columns (two vectors).
-// Each C element adds its pair products in ascending k, as the tile unit.
+// Each C element adds its pair products in ascending k (in vdpbf16ps's order
+// within a pair, which row_dots_dp reproduces; not the tile unit's sums).
 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void gemm_pairs_dp(
     int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float* c,
     int64_t ldc, bool accumulate) {
