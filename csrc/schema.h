@@ -21,13 +21,13 @@ inline constexpr const char* kAttentionBackwardSchema =
 
 inline constexpr const char* kVarlenAttentionSchema =
     "varlen_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-    "int max_seqlen_q, int max_seqlen_k, float dropout_p=0.0, bool is_causal=False, float? scale=None, "
+    "SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p=0.0, bool is_causal=False, float? scale=None, "
     "Tensor? rng_state=None, int window_left=-1, int window_right=-1, bool bottom_right=True, "
     "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor logsumexp, Tensor rng_state)";
 
 inline constexpr const char* kVarlenAttentionBackwardSchema =
     "varlen_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
-    "Tensor logsumexp, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+    "Tensor logsumexp, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
     "float dropout_p, bool is_causal, float? scale, Tensor rng_state, int window_left=-1, "
     "int window_right=-1, bool bottom_right=True, float softcap=0.0, Tensor? alibi_slopes=None) -> "
     "(Tensor grad_query, Tensor grad_key, Tensor grad_value)";

@@ -1,6 +1,7 @@
 """mha_ext: fused multi-head attention for PyTorch as a custom operator.
 
     mha_ext.scaled_dot_product_attention   drop-in for torch.nn.functional.scaled_dot_product_attention
+                                           (nested tensors of the jagged layout too: mha_ext.nested)
     mha_ext.attention                      the same with causal alignments, windows, softcap, ALiBi
     mha_ext.varlen_attention               sequences of different lengths packed along the rows
     mha_ext.kvcache_attention              decoding against a preallocated KV cache, written in place

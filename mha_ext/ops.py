@@ -349,6 +349,13 @@ def scaled_dot_product_attention(
         if out is not None:
             return out
     dropout_p = _check_arg_types(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if query.is_nested or key.is_nested or value.is_nested:  # torch's jagged layout: the varlen op
+        from .nested import jagged_attention
+
+        def dense(q, k, v):
+            return scaled_dot_product_attention(q, k, v, None, dropout_p, is_causal, scale, enable_gqa), None
+        return jagged_attention("scaled_dot_product_attention", query, key, value, attn_mask, dropout_p, is_causal,
+                                scale, enable_gqa, dense)[0]
     query, key, value, out_rank = _broadcast_inputs(query, key, value, enable_gqa)
     if enable_gqa and key.shape[-3] == 0 and value.shape[-3] == 0 and query.shape[-3] > 0:
         # torch gives zeros here (no key/value head to attend to)
@@ -448,6 +455,16 @@ def attention(
     with enable_gqa=True. A row that may see no key gives 0."""
     variant = _variant_args(alignment, window, softcap)
     dropout_p = _check_arg_types(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa)
+    if query.is_nested or key.is_nested or value.is_nested:  # torch's jagged layout: the varlen op
+        from .nested import jagged_attention
+
+        def dense(q, k, v):
+            return attention(q, k, v, dropout_p=dropout_p, causal=causal, alignment=alignment, window=window,
+                             softcap=softcap, alibi_slopes=alibi_slopes, scale=scale, enable_gqa=enable_gqa,
+                             return_lse=True)
+        out, lse = jagged_attention("attention", query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa,
+                                    dense, alignment, window, softcap, alibi_slopes, return_lse)
+        return (out, lse) if return_lse else out
     rng_state = new_rng_state(query.device) if dropout_p > 0.0 else None
     out, lse, _ = run_attention(
         query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa,

@@ -167,6 +167,12 @@ def _double_backward(ctx, *grads):
 # Functional API
 
 
+def _length(n):
+    # a symbolic length (a compiled graph's, e.g. a nested tensor's longest
+    # sequence) stays symbolic: the schema takes SymInt
+    return n if isinstance(n, torch.SymInt) else int(n)
+
+
 def varlen_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -203,7 +209,7 @@ def varlen_attention(
     variant = _variant_args(alignment, window, softcap)
     rng_state = new_rng_state(query.device) if dropout_p > 0.0 else None
     out, lse, _ = run_op(
-        torch.ops.mha_ext.varlen_attention.default, query, key, value, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(dropout_p),
+        torch.ops.mha_ext.varlen_attention.default, query, key, value, cu_seqlens_q, cu_seqlens_k, _length(max_seqlen_q), _length(max_seqlen_k), float(dropout_p),
         bool(causal), scale, rng_state, *variant, alibi_slopes,
     )
     return (out, lse) if return_lse else out

@@ -53,7 +53,7 @@ struct AttentionArgs {
 bool plain_tensor(PyObject* o, at::Tensor& t) {
   if (!THPVariable_CheckExact(o)) return false;
   t = THPVariable_Unpack(o);
-  return true;
+  return !t.is_nested();  // (nested tensors of the strided layout: the Python path's clear error)
 }
 
 bool optional_tensor(PyObject* o, std::optional<at::Tensor>& t) {
