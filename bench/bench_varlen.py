@@ -2,7 +2,8 @@
 the longest, run packed (mha_ext.varlen_attention, no work on padding)
 against the padded batch with a key padding mask (mha_ext's dense op and
 F.scaled_dot_product_attention), and mha_ext.MultiheadAttention (which packs
-a bool key_padding_mask itself) against torch.nn.MultiheadAttention. One
+a bool key_padding_mask itself) against torch.nn.MultiheadAttention, and
+the same lengths as nested tensors of the jagged layout through both SDPAs. One
 process, interleaved, medians. The attention op's allocations are shown too:
 the fused paths never hold an L x S matrix per head.
 
@@ -79,6 +80,25 @@ def module_fns(B, L, E, H, dtype, backward, seed=0):
     return [run(ours, pad), run(ours, float_pad), run(theirs, pad)]
 
 
+def nested_fns(B, H, L, D, dtype, backward, is_causal, seed=0):
+    """(mha_ext's SDPA, torch's SDPA) on the same jagged nested tensors
+    (B, H, j, D), lengths as op_fns's."""
+    lens = lengths_for(B, L, seed)
+    g = torch.Generator().manual_seed(seed)
+    leaves = [torch.nested.nested_tensor([torch.randn(n, H * D, generator=g).to(dtype) for n in lens],
+                                         layout=torch.jagged, requires_grad=backward) for _ in range(3)]
+
+    def run(fn):
+        def go():
+            q, k, v = (t.unflatten(-1, [H, D]).transpose(1, 2) for t in leaves)
+            out = fn(q, k, v, is_causal=is_causal)
+            if backward:  # (into fresh grads: accumulating nested grads fails inside torch)
+                torch.autograd.grad(out.values().sum(), leaves)
+        return go
+
+    return [run(mha_ext.scaled_dot_product_attention), run(F.scaled_dot_product_attention)]
+
+
 def peak_bytes(fn):
     """The most bytes any one op allocated while fn ran (torch's profiler,
     summed over that op's calls): for one attention call, its own buffers."""
@@ -133,6 +153,34 @@ def main():
                 lines.append(f"| {name} | {'fwd+bwd' if backward else 'fwd'} | {B}, {L}, {E}, {H} | "
                              f"{t[2] * 1e3:.2f} | {t[1] * 1e3:.2f} | {t[0] * 1e3:.2f} | {t[1] / t[0]:.2f} | "
                              f"{t[2] / t[0]:.2f} |")
+    lines += ["", "## Nested tensors (torch's jagged layout)", "",
+              "The same lengths as nested tensors (B, H, j, D) of layout torch.jagged, through "
+              "mha_ext.scaled_dot_product_attention (the varlen op on the packed buffers) and "
+              "F.scaled_dot_product_attention (on the CPU: each sequence copied into a strided nested tensor and "
+              "run by its math kernel; with is_causal it fails on a machine without a CUDA GPU). Forward+backward: "
+              "to the nested leaves.", "",
+              "| dtype | pass | B, H, L, D | causal | mha_ext ms | torch ms | torch / mha_ext |",
+              "|---|---|---|---|---|---|---|"]
+    nested_ratios = []
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        for backward in (False, True):
+            for B, H, L, D in op_shapes:
+                for causal in (False, True):
+                    fns = nested_fns(B, H, L, D, dtype, backward, causal)
+                    try:
+                        fns[1]()
+                    except Exception as e:  # torch's jagged path with is_causal on a CPU-only machine
+                        t = median_times(fns[:1], args.reps)
+                        lines.append(f"| {name} | {'fwd+bwd' if backward else 'fwd'} | {B}, {H}, {L}, {D} | "
+                                     f"{causal} | {t[0] * 1e3:.2f} | fails ({type(e).__name__}) | |")
+                        continue
+                    t = median_times(fns, args.reps)
+                    nested_ratios.append(t[1] / t[0])
+                    lines.append(f"| {name} | {'fwd+bwd' if backward else 'fwd'} | {B}, {H}, {L}, {D} | {causal} | "
+                                 f"{t[0] * 1e3:.2f} | {t[1] * 1e3:.2f} | {t[1] / t[0]:.2f} |")
+    if nested_ratios:
+        lines += ["", f"Geomean torch / mha_ext on nested tensors: {geomean(nested_ratios):.2f}."]
     B, H, L, D = op_shapes[-1]
     fns, _ = op_fns(B, H, L, D, torch.float32, False)
     peaks = [peak_bytes(f) for f in fns]
