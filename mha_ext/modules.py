@@ -64,6 +64,10 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if query.is_nested or key.is_nested or value.is_nested:  # torch's jagged layout, (N, j, E)
+            from .nested import multihead_forward
+            return multihead_forward(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                                     average_attn_weights, is_causal)
         E, H = self.embed_dim, self.num_heads
         D = E // H
         self_attention = query is key and key is value

@@ -196,26 +196,59 @@ def test_jagged_on_dim_1_runs_each_item_dense():
     torch.testing.assert_close(out.values(), direct.detach(), rtol=1e-12, atol=1e-12)
 
 
-def test_jagged_compile_fullgraph_matches_eager():
-    torch._dynamo.reset()
+def _compile_inputs(seed=6, lq=(5, 9, 3), lk=(7, 2, 12), H=4, E=16):
+    """Dense leaves (total, H * E) and SDPA views of them as nested tensors;
+    key and value share their offsets (as projections of one input do)."""
+    g = torch.Generator().manual_seed(seed)
+    off_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist())
+    off_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist())
+    leaves = [torch.randn(sum(n), H * E, generator=g, requires_grad=True) for n in (lq, lk, lk)]
+    views = [torch.nested.nested_tensor_from_jagged(x, o).unflatten(-1, [H, E]).transpose(1, 2)
+             for x, o in zip(leaves, (off_q, off_k, off_k))]
+    return leaves, views
 
-    def inputs():
-        g = torch.Generator().manual_seed(6)
-        return [_nested([5, 9, 3], 4, 16, torch.float32, g) for _ in range(3)]
+
+def test_jagged_compile_fullgraph_matches_eager():
+    """compile(fullgraph=True) against eager, bit-equal: one call (forward and
+    gradients), and a chained call whose second takes the first's output (no
+    cached length of its own) for query and key."""
+    torch._dynamo.reset()
 
     def f(q, k, v):
         return sdpa(q, k, v, is_causal=True)
 
-    (qn, q), (kn, k), (vn, v) = inputs()
-    compiled = torch.compile(f, fullgraph=True)(q, k, v)
-    (qe, q), (ke, k), (ve, v) = inputs()
-    eager = f(q, k, v)
-    torch.testing.assert_close(compiled.values(), eager.values(), rtol=0, atol=0)
-    go = torch.randn(eager.values().shape, generator=torch.Generator().manual_seed(7))
-    a = torch.autograd.grad(compiled.values(), [qn, kn, vn], go)
-    b = torch.autograd.grad(eager.values(), [qe, ke, ve], go)
-    for x, y in zip(a, b):
-        torch.testing.assert_close(x.values(), y.values(), rtol=0, atol=0)
+    def chained(q, k, v):
+        o = mha_ext.attention(q, k, v, causal=True, alignment="bottom_right")
+        return sdpa(o, o, o)
+
+    for fn in (f, chained):
+        leaves, (q, k, v) = _compile_inputs()
+        compiled = torch.compile(fn, fullgraph=True)(q, k, v)
+        leaves_e, (q, k, v) = _compile_inputs()
+        eager = fn(q, k, v)
+        torch.testing.assert_close(compiled.values(), eager.values(), rtol=0, atol=0)
+        go = torch.randn(eager.values().shape, generator=torch.Generator().manual_seed(7))
+        a = torch.autograd.grad(compiled.values(), leaves, go)
+        b = torch.autograd.grad(eager.values(), leaves_e, go)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_jagged_compile_refuses_what_a_graph_cannot_read():
+    """Under compile: a view with holes, and a value whose offsets are not the
+    key's (eager compares their lengths' values), each a clear error."""
+    torch._dynamo.reset()
+    _, (q, k, v) = _compile_inputs()
+    _, (_, k2, _) = _compile_inputs(seed=8)  # the same lengths, other offsets
+    with pytest.raises(Exception, match="share their offsets"):
+        torch.compile(lambda q, k, v: sdpa(q, k, v), fullgraph=True)(q, k, k2)
+    base = torch.randn(3, 12, 4, 16)
+    holes = torch.nested.narrow(base, 1, torch.tensor([0, 2, 1]), torch.tensor([5, 3, 7]),
+                                layout=torch.jagged).transpose(1, 2)
+    with pytest.raises(Exception, match="holes"):
+        torch.compile(lambda q: sdpa(q, q, q), fullgraph=True)(holes)
+    # eager takes both
+    assert sdpa(q, k, k2).shape == q.shape and sdpa(holes, holes, holes).shape == holes.shape
 
 
 def _errors():
@@ -230,6 +263,7 @@ def _errors():
     return {
         "a mask": ((q, k, k), {"attn_mask": torch.ones(2, 2, dtype=torch.bool)}, "attn_mask"),
         "dense key": ((q, dense, dense), {}, "key must be a nested tensor"),
+        "dense query": ((dense, k, k), {}, "query must be a nested tensor as the other inputs are"),
         "strided layout": ((strided, strided, strided), {}, "layout torch.jagged"),
         "GQA not enabled": ((q, k1, k1), {}, "enable_gqa"),
         "value lengths": ((q, k, v_other), {}, "value must have key's sequence lengths"),
@@ -310,3 +344,125 @@ def test_jagged_sdpa_on_cuda_matches_reference(dtype):
             mine = grads[i].values()[a:a + n].view(n, 4, 64).transpose(0, 1).double().cpu()
             assert (mine - rg.cpu()).abs().max().item() <= 0.05 * max(1.0, rg.abs().max().item())
         a += n
+
+
+# ---------------------------------------------------------------------------
+# mha_ext.MultiheadAttention on nested (N, j, E) inputs
+
+
+def _module_pair(kdim=None, **kw):
+    torch.manual_seed(10)
+    ours = mha_ext.MultiheadAttention(32, 4, batch_first=True, kdim=kdim, vdim=kdim, **kw).double()
+    theirs = torch.nn.MultiheadAttention(32, 4, batch_first=True, kdim=kdim, vdim=kdim, **kw).double()
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+@pytest.mark.parametrize("kind", ["self", "cross, kdim != embed_dim"])
+@pytest.mark.parametrize("average", [True, False])
+def test_module_on_nested_inputs_matches_torch_per_sequence(kind, average):
+    """Output, weights (zero-padded to the longest sequences, as torch's module
+    returns them for nested inputs in inference), and the gradients of the
+    inputs and of every parameter, against torch's module run on each
+    sequence alone (in training: torch's module takes no nested input there)."""
+    kdim = None if kind == "self" else 24
+    ours, theirs = _module_pair(kdim)
+    g = torch.Generator().manual_seed(11)
+    lq, lk = [5, 9, 1], ([5, 9, 1] if kind == "self" else [7, 2, 12])
+    x = torch.nested.nested_tensor([torch.randn(n, 32, generator=g, dtype=torch.float64) for n in lq],
+                                   layout=torch.jagged, requires_grad=True)
+    kv = x if kind == "self" else torch.nested.nested_tensor(
+        [torch.randn(n, kdim, generator=g, dtype=torch.float64) for n in lk], layout=torch.jagged, requires_grad=True)
+    out, w = ours(x, kv, kv, average_attn_weights=average)
+    assert out.is_nested and out.shape[2] == 32 and w.shape[:1] == (3,)
+    go = torch.randn(out.values().shape, generator=g, dtype=torch.float64)
+    leaves = [x] + ([] if kind == "self" else [kv])
+    mine = torch.autograd.grad(out.values(), leaves + list(ours.parameters()), go)
+    grads_ref = [torch.zeros_like(t.values()) for t in leaves] + [torch.zeros_like(p) for p in theirs.parameters()]
+    a = b_ = 0
+    for i, (n, s) in enumerate(zip(lq, lk)):
+        xs = x.values()[a:a + n].detach().unsqueeze(0).requires_grad_()
+        ks = xs if kind == "self" else kv.values()[b_:b_ + s].detach().unsqueeze(0).requires_grad_()
+        ref, wref = theirs(xs, ks, ks, average_attn_weights=average)
+        torch.testing.assert_close(out.values()[a:a + n], ref[0], rtol=1e-12, atol=1e-12)
+        wi = w[i, :n, :s] if average else w[i, :, :n, :s]
+        torch.testing.assert_close(wi, wref[0], rtol=1e-12, atol=1e-12)
+        assert bool((w[i] == 0).sum() == w[i].numel() - wi.numel())  # zeros past the sequence
+        ins = [xs] + ([] if kind == "self" else [ks])
+        gr = torch.autograd.grad(ref[0], ins + list(theirs.parameters()), go[a:a + n])
+        grads_ref[0][a:a + n] += gr[0][0]
+        if kind != "self":
+            grads_ref[1][b_:b_ + s] += gr[1][0]
+        for j, p in enumerate(gr[len(ins):]):
+            grads_ref[len(leaves) + j] += p
+        a, b_ = a + n, b_ + s
+    for j, (m, r) in enumerate(zip(mine, grads_ref)):
+        m = m.values() if m.is_nested else m
+        torch.testing.assert_close(m, r, rtol=1e-10, atol=1e-10, msg=lambda s: f"gradient {j}: {s}")
+
+
+def test_module_with_nested_inputs_inside_a_transformer_encoder_layer_trains():
+    """torch's TransformerEncoderLayer with the module as self_attn takes nested
+    inputs in training (torch's own module refuses them there): the output and
+    the input gradient against torch's layer on each sequence alone."""
+    torch.manual_seed(12)
+    ref = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True, dropout=0.0).double()
+    layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True, dropout=0.0).double()
+    layer.load_state_dict(ref.state_dict())
+    layer.self_attn = mha_ext.MultiheadAttention(32, 4, batch_first=True).double()
+    layer.self_attn.load_state_dict(ref.self_attn.state_dict())
+    g = torch.Generator().manual_seed(13)
+    lens = [6, 1, 11]
+    x = torch.nested.nested_tensor([torch.randn(n, 32, generator=g, dtype=torch.float64) for n in lens],
+                                   layout=torch.jagged, requires_grad=True)
+    out = layer(x)
+    gx = torch.autograd.grad(out.values().sum(), x)[0].values()
+    a = 0
+    for n in lens:
+        xs = x.values()[a:a + n].detach().unsqueeze(0).requires_grad_()
+        r = ref(xs)
+        torch.testing.assert_close(out.values()[a:a + n], r[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gx[a:a + n], torch.autograd.grad(r.sum(), xs)[0][0], rtol=1e-10, atol=1e-10)
+        a += n
+
+
+def _module_errors():
+    g = torch.Generator().manual_seed(14)
+    x = torch.nested.nested_tensor([torch.randn(n, 32, generator=g) for n in (3, 5)], layout=torch.jagged)
+    dense = torch.randn(2, 5, 32)
+    return {
+        "key_padding_mask": (dict(), (x, x, x), dict(key_padding_mask=torch.zeros(2, 5, dtype=torch.bool)),
+                             "key_padding_mask and attn_mask are not supported"),
+        "dense key": (dict(), (x, dense, dense), dict(), "layout torch.jagged, got key dense"),
+        "kdim": (dict(kdim=16, vdim=16), (x, x, x), dict(), r"key's last dim must be kdim \(16\), got 32"),
+        "batch_first": (dict(batch_first=False), (x, x, x), dict(), "batch_first must be True"),
+        "need_weights with dropout": (dict(dropout=0.5), (x, x, x), dict(), "need_weights=False"),
+        "add_bias_kv": (dict(add_bias_kv=True), (x, x, x), dict(), "add_bias_kv"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_module_errors()))
+def test_module_nested_bad_inputs_name_the_argument(name):
+    ctor, args, kw, words = _module_errors()[name]
+    ctor = dict(batch_first=True, **ctor) if "batch_first" not in ctor else ctor
+    m = mha_ext.MultiheadAttention(32, 4, **ctor)
+    with pytest.raises(RuntimeError, match=words):
+        m(*args, **kw)
+
+
+def test_jagged_offsets_not_from_zero_match_reference():
+    """A nested tensor over part of a buffer (offsets from 3, rows past the
+    last sequence): the rows gathered, the output on the query's rows."""
+    g = torch.Generator().manual_seed(15)
+    buf = torch.randn(20, 2 * 8, generator=g, dtype=torch.float64, requires_grad=True)
+    off = torch.tensor([3, 8, 10, 16])
+    x = torch.nested.nested_tensor_from_jagged(buf, off).unflatten(-1, [2, 8]).transpose(1, 2)
+    out = sdpa(x, x, x, is_causal=True).transpose(1, 2)
+    go = torch.randn(20, 2, 8, generator=g, dtype=torch.float64)
+    mine = torch.autograd.grad(out.values(), buf, go, retain_graph=True)[0]
+    refs = [R.attention(*(buf[a:e].view(e - a, 2, 8).transpose(0, 1),) * 3, is_causal=True) for a, e in
+            ((3, 8), (8, 10), (10, 16))]
+    for (a, e), r in zip(((3, 8), (8, 10), (10, 16)), refs):
+        torch.testing.assert_close(out.values()[a:e].transpose(0, 1), r.detach(), rtol=1e-12, atol=1e-12)
+    ref = torch.autograd.grad(refs, buf, [go[a:e].transpose(0, 1) for a, e in ((3, 8), (8, 10), (10, 16))])[0]
+    torch.testing.assert_close(mine, ref, rtol=1e-12, atol=1e-12)
