@@ -77,7 +77,16 @@ def module_fns(B, L, E, H, dtype, backward, seed=0):
                 out.sum().backward()
         return go
 
-    return [run(ours, pad), run(ours, float_pad), run(theirs, pad)]
+    # the same rows as a nested tensor (N, j, E): no padding at all
+    xn = torch.nested.nested_tensor([x[b, :n].detach() for b, n in enumerate(lens)], layout=torch.jagged,
+                                    requires_grad=backward)
+
+    def nested():
+        out = ours(xn, xn, xn, need_weights=False)[0]
+        if backward:
+            torch.autograd.grad(out.values().sum(), [xn] + list(ours.parameters()))
+
+    return [run(ours, pad), run(ours, float_pad), run(theirs, pad), nested]
 
 
 def nested_fns(B, H, L, D, dtype, backward, is_causal, seed=0):
@@ -140,9 +149,11 @@ def main():
               "## MultiheadAttention with a bool key_padding_mask", "",
               "mha_ext.MultiheadAttention packs the unpadded keys (varlen) when key_padding_mask is bool and "
               "there is no attn_mask (packed); given the same padding as a float mask it masks them in the dense op "
-              "(masked), as torch.nn.MultiheadAttention does. need_weights=False.", "",
-              "| dtype | pass | B, L, E, H | torch ms | mha_ext masked ms | mha_ext packed ms | masked / packed "
-              "| torch / packed |", "|---|---|---|---|---|---|---|---|"]
+              "(masked), as torch.nn.MultiheadAttention does; nested: the real rows as a nested tensor (N, j, E) of "
+              "the jagged layout (no padding anywhere: projections included), which torch's module refuses outside "
+              "inference. need_weights=False.", "",
+              "| dtype | pass | B, L, E, H | torch ms | mha_ext masked ms | mha_ext packed ms | mha_ext nested ms "
+              "| masked / packed | torch / packed | torch / nested |", "|---|---|---|---|---|---|---|---|---|---|"]
     mod_shapes = [(16, 512, 768, 12)] if not args.quick else [(8, 256, 256, 4)]
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
@@ -151,13 +162,14 @@ def main():
                 fns = module_fns(B, L, E, H, dtype, backward)
                 t = median_times(fns, args.reps)
                 lines.append(f"| {name} | {'fwd+bwd' if backward else 'fwd'} | {B}, {L}, {E}, {H} | "
-                             f"{t[2] * 1e3:.2f} | {t[1] * 1e3:.2f} | {t[0] * 1e3:.2f} | {t[1] / t[0]:.2f} | "
-                             f"{t[2] / t[0]:.2f} |")
+                             f"{t[2] * 1e3:.2f} | {t[1] * 1e3:.2f} | {t[0] * 1e3:.2f} | {t[3] * 1e3:.2f} | "
+                             f"{t[1] / t[0]:.2f} | {t[2] / t[0]:.2f} | {t[2] / t[3]:.2f} |")
     lines += ["", "## Nested tensors (torch's jagged layout)", "",
               "The same lengths as nested tensors (B, H, j, D) of layout torch.jagged, through "
               "mha_ext.scaled_dot_product_attention (the varlen op on the packed buffers) and "
               "F.scaled_dot_product_attention (on the CPU: each sequence copied into a strided nested tensor and "
-              "run by its math kernel; with is_causal it fails on a machine without a CUDA GPU). Forward+backward: "
+              "run by its math kernel; with is_causal it fails on this machine: a CUDA build of torch without a "
+              "GPU). Forward+backward: "
               "to the nested leaves.", "",
               "| dtype | pass | B, H, L, D | causal | mha_ext ms | torch ms | torch / mha_ext |",
               "|---|---|---|---|---|---|---|"]
@@ -170,7 +182,7 @@ def main():
                     fns = nested_fns(B, H, L, D, dtype, backward, causal)
                     try:
                         fns[1]()
-                    except Exception as e:  # torch's jagged path with is_causal on a CPU-only machine
+                    except Exception as e:  # torch's jagged path with is_causal, a CUDA build of torch without a GPU
                         t = median_times(fns[:1], args.reps)
                         lines.append(f"| {name} | {'fwd+bwd' if backward else 'fwd'} | {B}, {H}, {L}, {D} | "
                                      f"{causal} | {t[0] * 1e3:.2f} | fails ({type(e).__name__}) | |")
