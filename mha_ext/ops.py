@@ -487,3 +487,45 @@ torch.library.register_autograd("mha_ext::varlen_attention_backward", _varlen._d
 from . import kvcache as _kvcache  # noqa: E402
 
 torch.library.register_fake("mha_ext::kvcache_attention")(_kvcache._kvcache_fake)
+
+
+# ---------------------------------------------------------------------------
+# Autocast (torch.autocast on the CPU or a GPU), as torch's SDPA under it: the
+# float32 query, key, value and float mask on the autocast device are cast to
+# the autocast dtype (bfloat16 or float16, whichever the region chose) and the
+# op runs below autocast; float64 and the other arguments stay as they are
+# (ALiBi slopes keep their precision). So mixed float32 / bfloat16 inputs work
+# there, and the output has the autocast dtype. The backward ops need none:
+# autograd hands them gradients in the forward's dtypes. The KV-cache op has
+# none either: its caches are written in place, so nothing of it is cast.
+_AUTOCAST_LIB = torch.library.Library("mha_ext", "IMPL")
+
+
+def _register_autocast(name, cast_positions):
+    op = getattr(torch.ops.mha_ext, name).default
+    names = [a.name for a in op._schema.arguments]
+    for device_type in ("cpu", "cuda"):
+        key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        below = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key_name))
+
+        def kernel(_keyset, *args, device_type=device_type, below=below, **kwargs):
+            dtype = torch.get_autocast_dtype(device_type)
+
+            def cast(a):
+                eligible = isinstance(a, torch.Tensor) and a.dtype == torch.float32 and a.device.type == device_type
+                return a.to(dtype) if eligible else a
+
+            args = list(args)  # (as the caller gave them: positional, then by name)
+            for i in cast_positions:
+                if i < len(args):
+                    args[i] = cast(args[i])
+                elif names[i] in kwargs:
+                    kwargs[names[i]] = cast(kwargs[names[i]])
+            with torch._C._ExcludeDispatchKeyGuard(below):
+                return op(*args, **kwargs)
+
+        _AUTOCAST_LIB.impl(name, kernel, key_name, with_keyset=True)
+
+
+_register_autocast("attention", (0, 1, 2, 3))  # query, key, value, attn_mask
+_register_autocast("varlen_attention", (0, 1, 2))  # query, key, value
