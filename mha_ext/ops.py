@@ -42,6 +42,9 @@ def run_attention(*args):
     autograd, 11 us so, on an AMD EPYC of family 23); else (None) by
     run_op. Under torch.compile / export the op is called as it is."""
     if not torch.compiler.is_compiling():
+        if torch._C._functorch.peek_interpreter_stack() is not None:  # torch.func transforms: mha_ext/transforms.py
+            from .transforms import attention_function
+            return attention_function(*args)
         res = _C.attention(*args)
         if res is not None:
             return res
@@ -344,7 +347,8 @@ def scaled_dot_product_attention(
     As in torch: 2-D inputs (L, E), inputs of different ranks and batch dims
     that broadcast are accepted (as stride-0 views, never copied), and
     dropout_p=1.0 drops everything (zeros; NaN stays NaN)."""
-    if not torch.compiler.is_compiling():  # the common call in one C++ step, when it is one (else None)
+    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None:
+        # the common call in one C++ step, when it is one (else None)
         out = _C.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if out is not None:
             return out
