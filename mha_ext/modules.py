@@ -11,14 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from .ops import attention_weights, new_rng_state, run_attention, run_op
+from .transforms import transforms_active
 
 __all__ = ["MultiheadAttention"]
 
 
 def _as_float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """nn.MultiheadAttention's convention: bool True = masked out -> -inf; floats are added."""
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+    if mask.dtype == torch.bool:  # (out of place: vmap cannot fill a tensor in place from a vmapped mask)
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
     return mask.to(dtype)
 
 
@@ -146,8 +147,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         # A bool key_padding_mask alone: the padded keys are left out of the
         # work (varlen) instead of masked. With need_weights and dropout the
         # weights must show the dense op's dropout draws, so that case stays dense.
+        # (Not under torch.func transforms: the varlen op has no rules for them.)
         skip_padding = (key_padding_mask is not None and key_padding_mask.dtype == torch.bool and attn_mask is None
-                        and not use_causal and not (need_weights and dropout_p > 0.0))
+                        and not use_causal and not (need_weights and dropout_p > 0.0) and not transforms_active())
         if skip_padding:
             out, lse, rng_used = _attend_unpadded_keys(q, k, v, key_padding_mask, dropout_p, rng_state)
         else:

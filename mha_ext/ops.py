@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from . import _C
+from .transforms import attention_function, transforms_active
 from .checks import (_acc_dtype, _check, _check_same_shape, _fmt, check_attention_inputs, check_dropout_p, check_rng_state,
                      check_variant)
 
@@ -42,8 +43,7 @@ def run_attention(*args):
     autograd, 11 us so, on an AMD EPYC of family 23); else (None) by
     run_op. Under torch.compile / export the op is called as it is."""
     if not torch.compiler.is_compiling():
-        if torch._C._functorch.peek_interpreter_stack() is not None:  # torch.func transforms: mha_ext/transforms.py
-            from .transforms import attention_function
+        if transforms_active():  # torch.func transforms: mha_ext/transforms.py
             return attention_function(*args)
         res = _C.attention(*args)
         if res is not None:
@@ -347,7 +347,7 @@ def scaled_dot_product_attention(
     As in torch: 2-D inputs (L, E), inputs of different ranks and batch dims
     that broadcast are accepted (as stride-0 views, never copied), and
     dropout_p=1.0 drops everything (zeros; NaN stays NaN)."""
-    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None:
+    if not torch.compiler.is_compiling() and not transforms_active():
         # the common call in one C++ step, when it is one (else None)
         out = _C.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if out is not None:
@@ -495,14 +495,22 @@ torch.library.register_fake("mha_ext::kvcache_attention")(_kvcache._kvcache_fake
 
 # ---------------------------------------------------------------------------
 # Autocast (torch.autocast on the CPU or a GPU), as torch's SDPA under it: the
-# float32 query, key, value and float mask on the autocast device are cast to
-# the autocast dtype (bfloat16 or float16, whichever the region chose) and the
-# op runs below autocast; float64 and the other arguments stay as they are
-# (ALiBi slopes keep their precision). So mixed float32 / bfloat16 inputs work
-# there, and the output has the autocast dtype. The backward ops need none:
+# floating query, key, value and float mask on the autocast device, float64
+# aside, are cast to the autocast dtype (bfloat16 or float16, whichever the
+# region chose) and the op runs below autocast; the other arguments stay as
+# they are (ALiBi slopes keep their precision). So mixed float32 / 16-bit
+# inputs work there, and the output has the autocast dtype. The backward ops need none:
 # autograd hands them gradients in the forward's dtypes. The KV-cache op has
 # none either: its caches are written in place, so nothing of it is cast.
 _AUTOCAST_LIB = torch.library.Library("mha_ext", "IMPL")
+
+
+def autocast_cast(a, device_type, dtype):
+    """a as autocast casts an argument of torch's SDPA on device_type: a
+    floating tensor on that device, not float64, to dtype."""
+    eligible = (isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float64
+                and a.device.type == device_type)
+    return a.to(dtype) if eligible else a
 
 
 def _register_autocast(name, cast_positions):
@@ -516,8 +524,7 @@ def _register_autocast(name, cast_positions):
             dtype = torch.get_autocast_dtype(device_type)
 
             def cast(a):
-                eligible = isinstance(a, torch.Tensor) and a.dtype == torch.float32 and a.device.type == device_type
-                return a.to(dtype) if eligible else a
+                return autocast_cast(a, device_type, dtype)
 
             args = list(args)  # (as the caller gave them: positional, then by name)
             for i in cast_positions:

@@ -206,6 +206,10 @@ def varlen_attention(
     sees its last key) or "top_left"; causal, window=(left, right), softcap,
     alibi_slopes (Hq) or (B, Hq); dropout_p and scale. A row that may see no
     key gives 0."""
+    from .transforms import transforms_active
+    _check(not transforms_active(),
+           lambda: "varlen_attention does not support torch.func transforms (grad, vmap, jvp); call it outside "
+                   "them, or use mha_ext.attention on padded inputs there")
     variant = _variant_args(alignment, window, softcap)
     rng_state = new_rng_state(query.device) if dropout_p > 0.0 else None
     out, lse, _ = run_op(

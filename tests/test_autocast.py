@@ -133,3 +133,18 @@ def test_module_under_autocast_matches_torch():
     with torch.no_grad():
         ref = theirs.double()(x.double(), x.double(), x.double())[0]
     assert _err(a, ref) <= 2.0 * _err(b, ref) + 1e-3
+
+
+def test_other_16_bit_inputs_take_the_autocast_dtype_as_torch():
+    """float16 query and mask with float32 key / value under a bfloat16
+    region: everything but float64 is cast, as torch's SDPA does."""
+    g = torch.Generator().manual_seed(6)
+    q64, k64, v64, m64 = _inputs("cpu", g)
+    args = (q64.half(), k64.float(), v64.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mha_ext.scaled_dot_product_attention(*args, attn_mask=m64.half())
+        theirs = F.scaled_dot_product_attention(*args, attn_mask=m64.half())
+    assert out.dtype == theirs.dtype == torch.bfloat16
+    ref = R.attention(*(t.bfloat16().double() for t in (q64.half(), k64, v64)),
+                      attn_mask=m64.half().bfloat16().double())
+    assert _err(out, ref) <= 2.0 * _err(theirs, ref) + 1e-3

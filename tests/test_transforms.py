@@ -2,7 +2,7 @@
 through mha_ext's functional API and module, as through torch's SDPA: each
 result against torch's SDPA / module under the same transform in float64
 and against the float64 reference run per item."""
-import warnings
+import contextlib
 
 import pytest
 import torch
@@ -21,6 +21,24 @@ def _t(g, *shape):
 
 def _close(a, b, tol=1e-10):
     torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@contextlib.contextmanager
+def _no_vmap_fallback():
+    """vmap's per-item loop for ops without a batching rule turned into an
+    error (the op's own call under vmap raises then: checked below)."""
+    was = torch._C._functorch._is_vmap_fallback_enabled()
+    torch._C._functorch._set_vmap_fallback_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._functorch._set_vmap_fallback_enabled(was)
+
+
+def test_the_fallback_switch_catches_an_op_without_a_rule():
+    q = torch.randn(2, 3, 4, 8)
+    with _no_vmap_fallback(), pytest.raises(RuntimeError):
+        vmap(lambda q: torch.ops.mha_ext.attention(q, q, q)[0])(q)
 
 
 @pytest.mark.parametrize("argnums", [0, (0, 1, 2), 3])
@@ -53,8 +71,7 @@ def test_vmap_uses_the_batch_and_matches_per_item(in_dims):
         full = shape if d is None else shape[:d] + (B,) + shape[d:]
         xs.append(_t(g, *full) if len(shape) == 3 else torch.rand(*full, generator=g) > 0.3)
     fn = vmap(lambda q, k, v, m: sdpa(q, k, v, attn_mask=m, enable_gqa=True), in_dims=in_dims)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*batching rule.*")
+    with _no_vmap_fallback():
         out = fn(*xs)
     assert out.shape == (B, 4, 9, 6)
     for i in range(B):
@@ -93,7 +110,8 @@ def test_attention_variants_under_vmap_match_reference():
     q, k, v = _t(g, 3, 2, 4, 6, 8), _t(g, 3, 2, 4, 20, 8), _t(g, 3, 2, 4, 20, 8)
     slopes = torch.rand(4, generator=g, dtype=torch.float64)
     kw = dict(causal=True, alignment="bottom_right", window=(9, -1), softcap=3.0)
-    out = vmap(lambda q, k, v: mha_ext.attention(q, k, v, alibi_slopes=slopes, **kw))(q, k, v)
+    with _no_vmap_fallback():
+        out = vmap(lambda q, k, v: mha_ext.attention(q, k, v, alibi_slopes=slopes, **kw))(q, k, v)
     for i in range(3):
         ref = R.attention(q[i], k[i], v[i], is_causal=True, bottom_right=True, window=(9, -1), softcap=3.0,
                           alibi_slopes=slopes)
@@ -123,3 +141,112 @@ def test_module_ensemble_by_functional_call_matches_each_module():
         ref_grads = torch.autograd.grad(ref.pow(2).sum(), list(m.parameters()))
         for (name, _), rg in zip(m.named_parameters(), ref_grads):
             _close(grads[name][i], rg)
+
+
+def test_dropout_under_vmap_follows_its_randomness_flag():
+    """'error' raises as torch's random ops do; 'different' gives each item its
+    own mask, 'same' every item one mask: each against the reference with the
+    keep mask of the dropout contract for the draw vmap made."""
+    g = torch.Generator().manual_seed(6)
+    q = _t(g, 3, 2, 5, 8)
+    p = 0.4
+
+    def f(q):
+        return sdpa(q, q, q, dropout_p=p)
+
+    with pytest.raises(RuntimeError, match="randomness"):
+        vmap(f)(q)
+    torch.manual_seed(7)
+    different = vmap(f, randomness="different")(q)
+    torch.manual_seed(7)
+    seed, offset = torch.randint(0, 2**62, (3, 2))[0].tolist()  # the first item's draw serves the batch
+    keep = R.dropout_keep(seed, offset, (3, 2, 5, 5), p)
+    for i in range(3):
+        _close(different[i], R.attention(q[i], q[i], q[i], keep=keep[i], dropout_p=p))
+    same_q = q[:1].expand(3, 2, 5, 8)
+    torch.manual_seed(8)
+    same = vmap(f, randomness="same")(same_q)
+    torch.manual_seed(8)
+    seed, offset = torch.randint(0, 2**62, (2,)).tolist()
+    ref = R.attention(q[0], q[0], q[0], keep=R.dropout_keep(seed, offset, (2, 5, 5), p), dropout_p=p)
+    for i in range(3):
+        _close(same[i], ref)
+
+
+def test_forward_mode_matches_reference():
+    """jvp and jacfwd (forward-mode AD, which torch's fused CPU kernel lacks),
+    with a float mask's tangent too, against the float64 reference's."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v, m = _t(g, 2, 4, 8), _t(g, 2, 6, 8), _t(g, 2, 6, 8), _t(g, 1, 4, 6)
+    tans = [_t(g, *x.shape) for x in (q, k, v, m)]
+    ours = torch.func.jvp(lambda *x: sdpa(*x[:3], attn_mask=x[3]), (q, k, v, m), tuple(tans))
+    # (torch's fused CPU kernel has no forward mode: the float64 reference's)
+    theirs = torch.func.jvp(lambda *x: R.attention(*x[:3], attn_mask=x[3]), (q, k, v, m), tuple(tans))
+    _close(ours[0], theirs[0])
+    _close(ours[1], theirs[1])
+    # (torch's fused CPU kernel has no forward mode: the float64 reference's jacobian)
+    _close(torch.func.jacfwd(lambda q: sdpa(q, k, v, is_causal=True))(q),
+           torch.func.jacfwd(lambda q: R.attention(q, k, v, is_causal=True))(q))
+
+
+def test_functionalize_runs_the_op():
+    g = torch.Generator().manual_seed(10)
+    q = _t(g, 2, 5, 8)
+    _close(torch.func.functionalize(lambda q: sdpa(q, q, q, is_causal=True))(q),
+           F.scaled_dot_product_attention(q, q, q, is_causal=True))
+
+
+def test_grad_under_autocast_is_the_backward_of_what_ran():
+    """Under autocast the transform differentiates the bfloat16 computation
+    that ran (the inputs cast before the Function saves them; saving the
+    float32 inputs gave the float32 gradient): within twice torch's error
+    under the same transform against the float64 reference on the cast
+    inputs, as eager autograd's gradient is."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 3, 20, 16, generator=g) for _ in range(3))
+
+    def loss(fn):
+        def f(q):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(q, k, v, is_causal=True).float().pow(2).sum()
+        return f
+
+    ours = grad(loss(sdpa))(q)
+    theirs = grad(loss(F.scaled_dot_product_attention))(q)
+    leaf = q.clone().requires_grad_()
+    loss(sdpa)(leaf).backward()
+    xs = [t.bfloat16().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(R.attention(*xs, is_causal=True).pow(2).sum(), xs[0])[0]
+    bound = 2 * (theirs.double() - ref).abs().max() + 1e-3
+    assert (ours.double() - ref).abs().max() <= bound
+    assert (leaf.grad.double() - ref).abs().max() <= bound
+
+
+@pytest.mark.parametrize("vmapped_mask", [False, True])
+def test_module_with_key_padding_under_transforms_matches_torch(vmapped_mask):
+    """The module with a bool key_padding_mask under grad and vmap (the dense
+    path there: the varlen op has no rules), against torch's module."""
+    torch.manual_seed(12)
+    ours = mha_ext.MultiheadAttention(16, 4, batch_first=True).double()
+    theirs = torch.nn.MultiheadAttention(16, 4, batch_first=True).double()
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(3, 2, 7, 16, dtype=torch.float64)
+    pad = torch.zeros(3, 2, 7, dtype=torch.bool)
+    pad[:, 1, 5:] = True
+    pad[1, 0, 3:] = True
+    in_dims = (0, 0) if vmapped_mask else (0, None)
+    masks = pad if vmapped_mask else pad[0]
+
+    def run(m):
+        return lambda x, kpm: m(x, x, x, key_padding_mask=kpm)[0].tanh().sum()
+
+    a = vmap(grad(run(ours)), in_dims=in_dims)(x, masks)
+    b = vmap(grad(run(theirs)), in_dims=in_dims)(x, masks)
+    _close(a, b)
+
+
+def test_varlen_under_a_transform_says_so():
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    x = torch.randn(5, 2, 8)
+    with pytest.raises(RuntimeError, match="varlen_attention does not support torch.func transforms"):
+        grad(lambda x: mha_ext.varlen_attention(x, x, x, cu, cu, 3, 3).sum())(x)
