@@ -178,8 +178,12 @@ def multihead_forward(m, query, key, value, key_padding_mask, need_weights, attn
     """mha_ext.MultiheadAttention.forward on nested tensors of the jagged
     layout, (N, j, E) with batch_first=True, in training and inference (torch's
     module takes only the strided layout, only in its inference path). Each
-    sequence attends to its own keys (no mask: the lengths are the padding);
-    the output is nested like the query. need_weights: (N, H, L, S) per
+    sequence attends to its own keys (no mask: the lengths are the padding),
+    and is_causal, which torch's module takes only as a hint about its
+    attn_mask, makes it causal per sequence (top-left): there is no mask to
+    say so with nested inputs, and so a TransformerDecoderLayer's
+    tgt_is_causal=True trains on ragged batches. The output is nested like
+    the query. need_weights: (N, H, L, S) per
     sequence, zero-padded to the longest, averaged over heads by default (as
     torch's inference path returns them for nested inputs); not with dropout."""
     from .ops import scaled_dot_product_attention
@@ -198,8 +202,6 @@ def multihead_forward(m, query, key, value, key_padding_mask, need_weights, attn
                    f"sequence attends to its own keys), got key_padding_mask "
                    f"{'None' if key_padding_mask is None else 'a tensor'} and attn_mask "
                    f"{'None' if attn_mask is None else 'a tensor'}")
-    _check(not is_causal, lambda: "MultiheadAttention: Need attn_mask if specifying the is_causal hint; attn_mask is "
-                                  "not supported with nested inputs")
     _check(m.bias_k is None and not m.add_zero_attn,
            lambda: "MultiheadAttention: add_bias_kv and add_zero_attn are not supported with nested inputs, got "
                    f"add_bias_kv={m.bias_k is not None}, add_zero_attn={m.add_zero_attn}")
@@ -229,16 +231,17 @@ def multihead_forward(m, query, key, value, key_padding_mask, need_weights, attn
     q = torch.nn.functional.linear(query, w_q, b_q).unflatten(-1, (H, D)).transpose(1, 2)  # (N, H, j, D)
     k = torch.nn.functional.linear(key, w_k, b_k).unflatten(-1, (H, D)).transpose(1, 2)
     v = torch.nn.functional.linear(value, w_v, b_v).unflatten(-1, (H, D)).transpose(1, 2)
-    out = scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    out = scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
     out = m.out_proj(out.transpose(1, 2).flatten(-2))  # (N, j, E)
     if not need_weights:
         return out, None
-    return out, _padded_weights(q, k, average_attn_weights)
+    return out, _padded_weights(q, k, average_attn_weights, is_causal)
 
 
-def _padded_weights(q, k, average):
-    """softmax(q k^T / sqrt(D)) of each sequence, (N, H, L, S) zero-padded to
-    the longest query and key sequences (mean over heads if average)."""
+def _padded_weights(q, k, average, is_causal=False):
+    """softmax(q k^T / sqrt(D)) of each sequence (causal: top-left), (N, H, L,
+    S) zero-padded to the longest query and key sequences (mean over heads if
+    average)."""
     qs, ks = q.unbind(), k.unbind()  # (H, L_b, D), (H, S_b, D)
     L, S = max((t.shape[1] for t in qs), default=0), max((t.shape[1] for t in ks), default=0)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -246,6 +249,9 @@ def _padded_weights(q, k, average):
     for b, (qb, kb) in enumerate(zip(qs, ks)):
         if kb.shape[1] > 0:
             scores = (qb.to(acc) @ kb.to(acc).transpose(-2, -1)) * qb.shape[-1] ** -0.5
+            if is_causal:
+                scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
+                                            .triu(1), float("-inf"))
             w[b, :, :qb.shape[1], :kb.shape[1]] = torch.softmax(scores, dim=-1)
     w = w.to(q.dtype)
     return w.mean(dim=1) if average else w

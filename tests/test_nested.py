@@ -466,3 +466,49 @@ def test_jagged_offsets_not_from_zero_match_reference():
         torch.testing.assert_close(out.values()[a:e].transpose(0, 1), r.detach(), rtol=1e-12, atol=1e-12)
     ref = torch.autograd.grad(refs, buf, [go[a:e].transpose(0, 1) for a, e in ((3, 8), (8, 10), (10, 16))])[0]
     torch.testing.assert_close(mine, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_module_is_causal_on_nested_inputs_trains_a_decoder_layer():
+    """is_causal with nested inputs (no mask to say it with): causal per
+    sequence. torch's TransformerDecoderLayer with the module as its self
+    attention, nested targets and memories, tgt_is_causal=True, in training:
+    the output and the gradients of the targets and memories against torch's
+    layer run on each sequence alone with its causal tgt_mask; and the
+    module's causal weights against torch's module with the causal mask."""
+    torch.manual_seed(16)
+    ref = torch.nn.TransformerDecoderLayer(32, 4, dim_feedforward=64, batch_first=True, dropout=0.0).double()
+    layer = torch.nn.TransformerDecoderLayer(32, 4, dim_feedforward=64, batch_first=True, dropout=0.0).double()
+    layer.load_state_dict(ref.state_dict())
+    for name in ("self_attn", "multihead_attn"):
+        mod = mha_ext.MultiheadAttention(32, 4, batch_first=True).double()
+        mod.load_state_dict(getattr(ref, name).state_dict())
+        setattr(layer, name, mod)
+    g = torch.Generator().manual_seed(17)
+    lt, lm = [6, 1, 11], [4, 9, 2]
+    tgt, mem = (torch.nested.nested_tensor([torch.randn(n, 32, generator=g, dtype=torch.float64) for n in ls],
+                                           layout=torch.jagged, requires_grad=True) for ls in (lt, lm))
+    out = layer(tgt, mem, tgt_is_causal=True)
+    go = torch.randn(out.values().shape, generator=g, dtype=torch.float64)
+    gt, gm = torch.autograd.grad(out.values(), [tgt, mem], go)
+    a = c = 0
+    for n, s_ in zip(lt, lm):
+        t = tgt.values()[a:a + n].detach().unsqueeze(0).requires_grad_()
+        m_ = mem.values()[c:c + s_].detach().unsqueeze(0).requires_grad_()
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(n, dtype=torch.float64)
+        r = ref(t, m_, tgt_mask=mask, tgt_is_causal=True)
+        _close_all = dict(rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(out.values()[a:a + n], r[0], **_close_all)
+        rt, rm = torch.autograd.grad(r[0], [t, m_], go[a:a + n])
+        torch.testing.assert_close(gt.values()[a:a + n], rt[0], **_close_all)
+        torch.testing.assert_close(gm.values()[c:c + s_], rm[0], **_close_all)
+        a, c = a + n, c + s_
+    # the weights: (N, L, S) padded, causal per sequence
+    mod = layer.self_attn
+    w = mod(tgt, tgt, tgt, is_causal=True, need_weights=True)[1]
+    a = 0
+    for i, n in enumerate(lt):
+        x = tgt.values()[a:a + n].detach().unsqueeze(0)
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(n, dtype=torch.float64)
+        wr = ref.self_attn(x, x, x, attn_mask=mask, is_causal=True, need_weights=True)[1]
+        torch.testing.assert_close(w[i, :n, :n], wr[0], rtol=1e-12, atol=1e-12)
+        a += n
