@@ -162,3 +162,29 @@ def test_draw_rng_state_is_what_the_op_draws():
     with FakeTensorMode() as mode:
         fake = torch.ops.mha_ext.draw_rng_state(mode.from_tensor(q), 2**40)  # no length limit
         assert fake.shape == (2,) and fake.dtype == torch.int64
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_recomputes_the_same_mask(reentrant):
+    """torch.utils.checkpoint reruns the forward in the backward: the rerun
+    must draw the very mask the first run used (torch restores its generator
+    around it, and the op draws its seed from that generator), or the
+    gradients are silently those of another mask. Output and gradient
+    against the reference under the contract's keep mask for the draw."""
+    from torch.utils.checkpoint import checkpoint
+    g = torch.Generator().manual_seed(0)
+    q0 = torch.randn(2, 4, 16, 8, generator=g, dtype=torch.float64)
+    p = 0.3
+    q = q0.clone().requires_grad_()
+    torch.manual_seed(5)
+    out = checkpoint(lambda q: sdpa(q, q, q, dropout_p=p, is_causal=True), q, use_reentrant=reentrant)
+    torch.manual_seed(99)  # (the generator moves on before the backward's rerun)
+    out.pow(2).sum().backward()
+    torch.manual_seed(5)
+    seed, offset = torch.randint(0, 2**62, (2,)).tolist()
+    keep = R.dropout_keep(seed, offset, (2, 4, 16, 16), p)
+    x = q0.clone().requires_grad_()
+    ref = R.attention(x, x, x, is_causal=True, keep=keep, dropout_p=p)
+    ref.pow(2).sum().backward()
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(q.grad, x.grad, rtol=1e-10, atol=1e-10)
