@@ -500,8 +500,10 @@ torch.library.register_fake("mha_ext::kvcache_attention")(_kvcache._kvcache_fake
 # region chose) and the op runs below autocast; the other arguments stay as
 # they are (ALiBi slopes keep their precision). So mixed float32 / 16-bit
 # inputs work there, and the output has the autocast dtype. The backward ops need none:
-# autograd hands them gradients in the forward's dtypes. The KV-cache op has
-# none either: its caches are written in place, so nothing of it is cast.
+# autograd hands them gradients in the forward's dtypes. The KV-cache op's
+# caches are written in place, so they are never cast: its query and new rows
+# take the caches' dtype instead (a 16-bit query from an autocast projection
+# against float32 caches, or a float32 one against 16-bit caches).
 _AUTOCAST_LIB = torch.library.Library("mha_ext", "IMPL")
 
 
@@ -513,7 +515,7 @@ def autocast_cast(a, device_type, dtype):
     return a.to(dtype) if eligible else a
 
 
-def _register_autocast(name, cast_positions):
+def _register_autocast(name, cast_positions, to_caches=False):
     op = getattr(torch.ops.mha_ext, name).default
     names = [a.name for a in op._schema.arguments]
     for device_type in ("cpu", "cuda"):
@@ -522,6 +524,9 @@ def _register_autocast(name, cast_positions):
 
         def kernel(_keyset, *args, device_type=device_type, below=below, **kwargs):
             dtype = torch.get_autocast_dtype(device_type)
+            if to_caches:  # (k_cache, the op's second argument)
+                cache = args[1] if len(args) > 1 else kwargs["k_cache"]
+                dtype = cache.dtype if cache.is_floating_point() else dtype
 
             def cast(a):
                 return autocast_cast(a, device_type, dtype)
@@ -540,3 +545,4 @@ def _register_autocast(name, cast_positions):
 
 _register_autocast("attention", (0, 1, 2, 3))  # query, key, value, attn_mask
 _register_autocast("varlen_attention", (0, 1, 2))  # query, key, value
+_register_autocast("kvcache_attention", (0, 4, 5), to_caches=True)  # query, k_new, v_new

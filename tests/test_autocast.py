@@ -148,3 +148,35 @@ def test_other_16_bit_inputs_take_the_autocast_dtype_as_torch():
     ref = R.attention(*(t.bfloat16().double() for t in (q64.half(), k64, v64)),
                       attn_mask=m64.half().bfloat16().double())
     assert _err(out, ref) <= 2.0 * _err(theirs, ref) + 1e-3
+
+
+@pytest.mark.parametrize("cache_dtype,input_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_kvcache_under_autocast_takes_the_caches_dtype(cache_dtype, input_dtype):
+    """The caches are written in place, so never cast: the query and new rows
+    take their dtype (a bfloat16 query from an autocast projection against
+    float32 caches, or the other way round). The output against the float64
+    reference on each batch's keys after the write, the written rows equal to
+    the new rows in the caches' dtype, nothing else in the caches moved."""
+    g = torch.Generator().manual_seed(7)
+    B, S_max, Hq, Hkv, E = 2, 64, 4, 2, 16
+    k_cache = torch.randn(B, S_max, Hkv, E, generator=g).to(cache_dtype)
+    v_cache = torch.randn(B, S_max, Hkv, E, generator=g).to(cache_dtype)
+    before = (k_cache.clone(), v_cache.clone())
+    seqlens = torch.tensor([10, 31], dtype=torch.int32)
+    q = torch.randn(B, 3, Hq, E, generator=g).to(input_dtype)
+    k_new = torch.randn(B, 3, Hkv, E, generator=g).to(input_dtype)
+    v_new = torch.randn(B, 3, Hkv, E, generator=g).to(input_dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mha_ext.kvcache_attention(q, k_cache, v_cache, seqlens, k_new, v_new, causal=True)
+    assert out.dtype == cache_dtype
+    for b, n in enumerate(seqlens.tolist()):
+        torch.testing.assert_close(k_cache[b, n:n + 3], k_new[b].to(cache_dtype), rtol=0, atol=0)
+        torch.testing.assert_close(v_cache[b, n:n + 3], v_new[b].to(cache_dtype), rtol=0, atol=0)
+        for c, old in zip((k_cache, v_cache), before):
+            assert torch.equal(torch.cat([c[b, :n], c[b, n + 3:]]), torch.cat([old[b, :n], old[b, n + 3:]]))
+        keys, vals = (c[b, :n + 3].double().transpose(0, 1) for c in (k_cache, v_cache))
+        qb = q[b].to(cache_dtype).double().transpose(0, 1)
+        ref = R.attention(qb, keys, vals, is_causal=True, bottom_right=True, enable_gqa=True)
+        eager = R.attention(*(t.to(cache_dtype) for t in (qb, keys, vals)), is_causal=True, bottom_right=True,
+                            enable_gqa=True, compute_dtype=cache_dtype)
+        assert _err(out[b].transpose(0, 1), ref) <= 2.0 * _err(eager, ref) + 1e-5
