@@ -50,9 +50,9 @@ CASES = {
 }
 
 
-def _check_case(name, dtype):
-    lq, lk, hq, hkv, E, Ev, kw = CASES[name]
-    g = torch.Generator().manual_seed(0)
+def _check_case(name, dtype, case=None, seed=0):
+    lq, lk, hq, hkv, E, Ev, kw = CASES[name] if case is None else case
+    g = torch.Generator().manual_seed(seed)
     qn, q = _nested(lq, hq, E, dtype, g)
     kn, k = _nested(lk or lq, hkv, E, dtype, g)
     vn, v = _nested(lk or lq, hkv, Ev, dtype, g)
@@ -78,12 +78,15 @@ def _check_case(name, dtype):
     if dtype in (torch.float64, torch.float32):
         tol = 1e-10 if dtype == torch.float64 else 2e-5
         for what, a, r in zip(("out", "dq", "dk", "dv"), [got.double()] + mine, [ref] + ref_grads):
-            torch.testing.assert_close(a, r, rtol=tol, atol=tol * max(1.0, r.abs().max().item()),
-                                       msg=lambda s: f"{what}: {s}")
+            scale = max(1.0, r.abs().max().item()) if r.numel() else 1.0
+            torch.testing.assert_close(a, r, rtol=tol, atol=tol * scale, msg=lambda s: f"{what}: {s}")
     else:  # no worse than plain eager PyTorch in the dtype
         eager, eager_grads = reference(dtype)
         for what, a, r, e in zip(("out", "dq", "dk", "dv"), [got.double()] + mine, [ref] + ref_grads,
                                  [eager] + eager_grads):
+            assert a.shape == r.shape, (what, a.shape, r.shape)
+            if r.numel() == 0:  # (every sequence empty)
+                continue
             ea, ee = (a - r).abs().max().item(), (e - r).abs().max().item()
             assert ea <= 2.0 * ee + 1e-3 * r.abs().max().item(), (what, ea, ee)
 
@@ -92,6 +95,39 @@ def _check_case(name, dtype):
 @pytest.mark.parametrize("name", list(CASES))
 def test_jagged_sdpa_matches_reference(name, dtype):
     _check_case(name, dtype)
+
+
+def _random_case(seed):
+    """A seeded draw: 1-5 sequences of 0-80 query rows (key rows of their own
+    for cross attention), GQA or not, E != Ev, causal or not, a scale."""
+    g = torch.Generator().manual_seed(1000 + seed)
+
+    def ri(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    B = ri(1, 5)
+    lq = [ri(0, 80) for _ in range(B)]
+    lk = None if ri(0, 1) else [ri(0, 80) for _ in range(B)]
+    hkv = ri(1, 3)
+    hq = hkv * ri(1, 3)
+    E, Ev = 8 * ri(1, 4), 8 * ri(1, 4)
+    kw = {}
+    if hq != hkv:
+        kw["enable_gqa"] = True
+    if ri(0, 1):
+        kw["is_causal"] = True
+    if ri(0, 1):
+        kw["scale"] = 0.1 + ri(0, 10) / 10
+    return lq, lk, hq, hkv, E, Ev, kw
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_jagged_sdpa_random_layouts_match_reference(seed):
+    """Seeded random nested layouts (empty sequences, cross attention, GQA,
+    E != Ev, causal, scale) in float32, float64 and bfloat16 in turn: output and
+    every gradient against the float64 reference per sequence."""
+    dtype = (torch.float32, torch.float64, torch.bfloat16)[seed % 3]
+    _check_case(None, dtype, case=_random_case(seed), seed=seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
