@@ -188,6 +188,7 @@ def multihead_forward(m, query, key, value, key_padding_mask, need_weights, attn
     torch's inference path returns them for nested inputs); not with dropout."""
     from .ops import scaled_dot_product_attention
 
+    is_causal = bool(is_causal)  # (torch's module takes any truth value, None included)
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check(t.is_nested and t.layout == torch.jagged,
                lambda: f"MultiheadAttention: nested inputs must all be nested tensors of layout torch.jagged, got "

@@ -531,7 +531,7 @@ def _register_autocast(name, cast_positions, to_caches=False):
             def cast(a):
                 return autocast_cast(a, device_type, dtype)
 
-            args = list(args)  # (as the caller gave them: positional, then by name)
+            args = list(args)  # (by the schema's positions; a name only for what the dispatcher passes so)
             for i in cast_positions:
                 if i < len(args):
                     args[i] = cast(args[i])

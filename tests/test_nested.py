@@ -47,6 +47,8 @@ CASES = {
     "cross, causal top-left": ([30, 9, 4], [20, 40, 4], 2, 2, 16, 16, {"is_causal": True}),
     "gqa, E != Ev, scale": ([33, 2, 70], [33, 50, 70], 4, 2, 16, 8, {"enable_gqa": True, "scale": 0.3}),
     "long keys": ([3, 1], [700, 333], 4, 4, 32, 32, {}),
+    "empty queries, empty keys": ([0, 0, 4], [5, 0, 0], 2, 1, 8, 16, {"enable_gqa": True, "is_causal": True}),
+    "every query empty": ([0, 0], [4, 0], 2, 2, 8, 8, {}),
 }
 
 
@@ -105,9 +107,12 @@ def _random_case(seed):
     def ri(lo, hi):
         return int(torch.randint(lo, hi + 1, (1,), generator=g))
 
+    def length():  # empty a quarter of the time
+        return 0 if ri(0, 3) == 0 else ri(1, 80)
+
     B = ri(1, 5)
-    lq = [ri(0, 80) for _ in range(B)]
-    lk = None if ri(0, 1) else [ri(0, 80) for _ in range(B)]
+    lq = [length() for _ in range(B)]
+    lk = None if ri(0, 1) else [length() for _ in range(B)]
     hkv = ri(1, 3)
     hq = hkv * ri(1, 3)
     E, Ev = 8 * ri(1, 4), 8 * ri(1, 4)
@@ -121,11 +126,12 @@ def _random_case(seed):
     return lq, lk, hq, hkv, E, Ev, kw
 
 
-@pytest.mark.parametrize("seed", range(24))
+@pytest.mark.parametrize("seed", range(32))
 def test_jagged_sdpa_random_layouts_match_reference(seed):
-    """Seeded random nested layouts (empty sequences, cross attention, GQA,
-    E != Ev, causal, scale) in float32, float64 and bfloat16 in turn: output and
-    every gradient against the float64 reference per sequence."""
+    """Seeded random nested layouts (empty sequences a quarter of the time,
+    cross attention, GQA, E != Ev, causal, scale) in float32, float64 and
+    bfloat16 in turn: output and every gradient against the float64
+    reference per sequence."""
     dtype = (torch.float32, torch.float64, torch.bfloat16)[seed % 3]
     _check_case(None, dtype, case=_random_case(seed), seed=seed)
 
@@ -548,3 +554,14 @@ def test_module_is_causal_on_nested_inputs_trains_a_decoder_layer():
         wr = ref.self_attn(x, x, x, attn_mask=mask, is_causal=True, need_weights=True)[1]
         torch.testing.assert_close(w[i, :n, :n], wr[0], rtol=1e-12, atol=1e-12)
         a += n
+
+
+def test_module_nested_takes_any_truth_value_for_is_causal():
+    """As torch's module (is_causal=None, 0, 1): the same as False / True."""
+    torch.manual_seed(18)
+    m = mha_ext.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.nested.nested_tensor([torch.randn(n, 16) for n in (3, 5)], layout=torch.jagged)
+    for flag, same_as in ((None, False), (0, False), (1, True)):
+        a = m(x, x, x, is_causal=flag, need_weights=False)[0]
+        b = m(x, x, x, is_causal=same_as, need_weights=False)[0]
+        assert torch.equal(a.values(), b.values())
