@@ -108,6 +108,14 @@ def nested_fns(B, H, L, D, dtype, backward, is_causal, seed=0):
     return [run(mha_ext.scaled_dot_product_attention), run(F.scaled_dot_product_attention)]
 
 
+def cases(args, shapes):
+    """(dtype name, dtype, backward, pass label, shape) of a table, in its order."""
+    for name in args.dtypes.split(","):
+        for backward in (False, True):
+            for shape in shapes:
+                yield name, getattr(torch, name), backward, "fwd+bwd" if backward else "fwd", shape
+
+
 def peak_bytes(fn):
     """The most bytes any one op allocated while fn ran (torch's profiler,
     summed over that op's calls): for one attention call, its own buffers."""
@@ -135,16 +143,12 @@ def main():
              "| padded mha_ext / packed | SDPA / packed |",
              "|---|---|---|---|---|---|---|---|---|"]
     ratios = []
-    for name in args.dtypes.split(","):
-        dtype = getattr(torch, name)
-        for backward in (False, True):
-            for B, H, L, D in op_shapes:
-                fns, fill = op_fns(B, H, L, D, dtype, backward)
-                t = median_times(fns, args.reps)
-                ratios.append(t[2] / t[0])
-                lines.append(f"| {name} | {'fwd+bwd' if backward else 'fwd'} | {B}, {H}, {L}, {D} | {fill:.2f} | "
-                             f"{t[0] * 1e3:.2f} | {t[1] * 1e3:.2f} | {t[2] * 1e3:.2f} | {t[1] / t[0]:.2f} | "
-                             f"{t[2] / t[0]:.2f} |")
+    for name, dtype, backward, pass_, (B, H, L, D) in cases(args, op_shapes):
+        fns, fill = op_fns(B, H, L, D, dtype, backward)
+        t = median_times(fns, args.reps)
+        ratios.append(t[2] / t[0])
+        lines.append(f"| {name} | {pass_} | {B}, {H}, {L}, {D} | {fill:.2f} | {t[0] * 1e3:.2f} | {t[1] * 1e3:.2f} | "
+                     f"{t[2] * 1e3:.2f} | {t[1] / t[0]:.2f} | {t[2] / t[0]:.2f} |")
     lines += ["", f"Geomean SDPA / packed: {geomean(ratios):.2f}.", "",
               "## MultiheadAttention with a bool key_padding_mask", "",
               "mha_ext.MultiheadAttention packs the unpadded keys (varlen) when key_padding_mask is bool and "
@@ -155,15 +159,11 @@ def main():
               "| dtype | pass | B, L, E, H | torch ms | mha_ext masked ms | mha_ext packed ms | mha_ext nested ms "
               "| masked / packed | torch / packed | torch / nested |", "|---|---|---|---|---|---|---|---|---|---|"]
     mod_shapes = [(16, 512, 768, 12)] if not args.quick else [(8, 256, 256, 4)]
-    for name in args.dtypes.split(","):
-        dtype = getattr(torch, name)
-        for backward in (False, True):
-            for B, L, E, H in mod_shapes:
-                fns = module_fns(B, L, E, H, dtype, backward)
-                t = median_times(fns, args.reps)
-                lines.append(f"| {name} | {'fwd+bwd' if backward else 'fwd'} | {B}, {L}, {E}, {H} | "
-                             f"{t[2] * 1e3:.2f} | {t[1] * 1e3:.2f} | {t[0] * 1e3:.2f} | {t[3] * 1e3:.2f} | "
-                             f"{t[1] / t[0]:.2f} | {t[2] / t[0]:.2f} | {t[2] / t[3]:.2f} |")
+    for name, dtype, backward, pass_, (B, L, E, H) in cases(args, mod_shapes):
+        t = median_times(module_fns(B, L, E, H, dtype, backward), args.reps)
+        lines.append(f"| {name} | {pass_} | {B}, {L}, {E}, {H} | {t[2] * 1e3:.2f} | {t[1] * 1e3:.2f} | "
+                     f"{t[0] * 1e3:.2f} | {t[3] * 1e3:.2f} | {t[1] / t[0]:.2f} | {t[2] / t[0]:.2f} | "
+                     f"{t[2] / t[3]:.2f} |")
     lines += ["", "## Nested tensors (torch's jagged layout)", "",
               "The same lengths as nested tensors (B, H, j, D) of layout torch.jagged, through "
               "mha_ext.scaled_dot_product_attention (the varlen op on the packed buffers) and "
@@ -174,23 +174,19 @@ def main():
               "| dtype | pass | B, H, L, D | causal | mha_ext ms | torch ms | torch / mha_ext |",
               "|---|---|---|---|---|---|---|"]
     nested_ratios = []
-    for name in args.dtypes.split(","):
-        dtype = getattr(torch, name)
-        for backward in (False, True):
-            for B, H, L, D in op_shapes:
-                for causal in (False, True):
-                    fns = nested_fns(B, H, L, D, dtype, backward, causal)
-                    try:
-                        fns[1]()
-                    except Exception as e:  # torch's jagged path with is_causal, a CUDA build of torch without a GPU
-                        t = median_times(fns[:1], args.reps)
-                        lines.append(f"| {name} | {'fwd+bwd' if backward else 'fwd'} | {B}, {H}, {L}, {D} | "
-                                     f"{causal} | {t[0] * 1e3:.2f} | fails ({type(e).__name__}) | |")
-                        continue
-                    t = median_times(fns, args.reps)
-                    nested_ratios.append(t[1] / t[0])
-                    lines.append(f"| {name} | {'fwd+bwd' if backward else 'fwd'} | {B}, {H}, {L}, {D} | {causal} | "
-                                 f"{t[0] * 1e3:.2f} | {t[1] * 1e3:.2f} | {t[1] / t[0]:.2f} |")
+    for name, dtype, backward, pass_, (B, H, L, D) in cases(args, op_shapes):
+        for causal in (False, True):
+            fns = nested_fns(B, H, L, D, dtype, backward, causal)
+            row = f"| {name} | {pass_} | {B}, {H}, {L}, {D} | {causal} | "
+            try:
+                fns[1]()
+            except Exception as e:  # torch's jagged path with is_causal, a CUDA build of torch without a GPU
+                t = median_times(fns[:1], args.reps)
+                lines.append(row + f"{t[0] * 1e3:.2f} | fails ({type(e).__name__}) | |")
+                continue
+            t = median_times(fns, args.reps)
+            nested_ratios.append(t[1] / t[0])
+            lines.append(row + f"{t[0] * 1e3:.2f} | {t[1] * 1e3:.2f} | {t[1] / t[0]:.2f} |")
     if nested_ratios:
         lines += ["", f"Geomean torch / mha_ext on nested tensors: {geomean(nested_ratios):.2f}."]
     B, H, L, D = op_shapes[-1]

@@ -28,8 +28,14 @@ from .checks import _check, _fmt
 __all__ = ["jagged_attention"]
 
 
-def _max_length(offsets, lengths):
-    lens = lengths if lengths is not None else offsets[1:] - offsets[:-1]
+def _lengths(t):
+    """The sequence lengths (B) of nested tensor t: its lengths, or its
+    offsets' differences where it has none."""
+    lengths = t.lengths()
+    return lengths if lengths is not None else t.offsets()[1:] - t.offsets()[:-1]
+
+
+def _max_length(lens):
     n = int(lens.max()) if lens.numel() > 0 else 0
     if torch.compiler.is_compiling():  # (an unbacked length in a compiled graph: its bounds, for the op's checks)
         torch._check(n >= 0)
@@ -45,7 +51,7 @@ def _packed(name, t):
     offsets, lengths = t.offsets(), t.lengths()
     values = t.values().movedim(t._ragged_idx - 1, 0)
     max_len = t._maybe_max_seqlen  # (cached by the nested tensor, else read from its offsets)
-    max_len = _max_length(offsets, lengths) if max_len is None else max_len
+    max_len = _max_length(_lengths(t)) if max_len is None else max_len
     if torch.compiler.is_compiling():
         # A compiled graph takes the offsets of a packed buffer as they are
         # (what torch.nested.nested_tensor and nested_tensor_from_jagged
@@ -58,7 +64,7 @@ def _packed(name, t):
         return values, offsets.to(torch.int32), max_len, None
     # a view with holes (torch.nested.narrow) or offsets not starting at 0:
     # its rows gathered in sequence order
-    lens = lengths if lengths is not None else offsets[1:] - offsets[:-1]
+    lens = _lengths(t)
     _check(bool((lens >= 0).all()), lambda: f"{name}'s sequence lengths must be >= 0, got {lens.tolist()}")
     cu = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=offsets.device)
     cu[1:] = lens.cumsum(0)
@@ -105,8 +111,7 @@ def _same_lengths(a, b):
                lambda: "under torch.compile, nested inputs whose lengths must agree must share their offsets (the "
                        "same ragged size), got different ones")
         return True
-    la = a.lengths() if a.lengths() is not None else a.offsets()[1:] - a.offsets()[:-1]
-    lb = b.lengths() if b.lengths() is not None else b.offsets()[1:] - b.offsets()[:-1]
+    la, lb = _lengths(a), _lengths(b)
     return la.shape == lb.shape and bool(torch.equal(la.cpu(), lb.cpu()))
 
 

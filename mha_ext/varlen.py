@@ -15,6 +15,7 @@ import torch
 from .checks import (_acc_dtype, _check, _check_qkv_common, _check_same_shape, _fmt, check_dropout_p, check_rng_state,
                      check_variant)
 from .ops import _composite_attention, _variant_args, new_rng_state, run_op
+from .transforms import transforms_active
 
 __all__ = ["varlen_attention", "check_varlen_inputs"]
 
@@ -206,7 +207,6 @@ def varlen_attention(
     sees its last key) or "top_left"; causal, window=(left, right), softcap,
     alibi_slopes (Hq) or (B, Hq); dropout_p and scale. A row that may see no
     key gives 0."""
-    from .transforms import transforms_active
     _check(not transforms_active(),
            lambda: "varlen_attention does not support torch.func transforms (grad, vmap, jvp); call it outside "
                    "them, or use mha_ext.attention on padded inputs there")
