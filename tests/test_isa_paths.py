@@ -115,6 +115,26 @@ for L, S in ((37, 37), (3, 300)):
     for m in (b, f):
         out = torch.ops.mha_ext.attention(q, k, v, m, 0.0, False, None, False)[0]
         torch.testing.assert_close(out.double(), R.attention(q, k, v, attn_mask=m), rtol=2e-5, atol=2e-5)
+# the softcap (its tanh by this path's vector routine, forward and backward) on the dense and the
+# decode paths, scores from far below the cap to far beyond it; ALiBi (its distances by the vector
+# routine) on the same shapes, bottom-right and not causal: distances on both sides of the diagonal
+slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
+    for L in (2, 77):
+        k, v = torch.randn(2, 2, 301, 40).to(dtype).requires_grad_(), torch.randn(2, 2, 301, 24).to(dtype).requires_grad_()
+        for causal, variant in ((True, dict(softcap=3.0)), (False, dict(alibi_slopes=slopes))):
+            q = torch.randn(2, 4, L, 40, dtype=torch.float64)
+            if "softcap" in variant:
+                q = q * torch.logspace(-5, 3, L, dtype=torch.float64).view(L, 1)
+            q = q.to(dtype).requires_grad_()
+            out = mha_ext.attention(q, k, v, causal=causal, alignment="bottom_right", enable_gqa=True, **variant)
+            g = torch.randn_like(out)
+            grads = torch.autograd.grad(out, (q, k, v), g)
+            xs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            ref = R.attention(*xs, is_causal=causal, bottom_right=True, enable_gqa=True, **variant)
+            ref_grads = torch.autograd.grad(ref, xs, g.double())
+            for a, r in zip((out,) + grads, (ref,) + ref_grads):
+                torch.testing.assert_close(a.double(), r, rtol=tol, atol=tol * max(1.0, r.abs().max().item()))
 print("ok")
 """
 

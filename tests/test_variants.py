@@ -155,6 +155,28 @@ def test_functional_attention_matches_reference():
     torch.testing.assert_close(mha_ext.attention(q[:, :2], k, v), mha_ext.scaled_dot_product_attention(q[:, :2], k, v))
 
 
+@pytest.mark.parametrize("L", [1, 4, 96])  # the decode path (few rows a key/value head) and the dense one
+def test_softcap_across_score_magnitudes(L):
+    # the softcap's tanh on both of its forms (a series below |s / cap| = 1/2, exponentials above) and
+    # saturated: key j scaled by 10^(-6 + 9 j / S), so that each row's s / cap runs from about 1e-7 to
+    # beyond 100; forward and every gradient against the float64 reference
+    g = torch.Generator().manual_seed(3)
+    S, E, cap = 333, 32, 4.0
+    keys = torch.logspace(-6, 3, S, dtype=torch.float64).view(S, 1)
+    q = torch.randn(2, 4, L, E, generator=g).requires_grad_()
+    k = (torch.randn(2, 2, S, E, generator=g, dtype=torch.float64) * keys).float().requires_grad_()
+    v = torch.randn(2, 2, S, 24, generator=g).requires_grad_()
+    go = torch.randn(2, 4, L, 24, generator=g)
+    out = mha_ext.attention(q, k, v, softcap=cap, enable_gqa=True)
+    grads = torch.autograd.grad(out, (q, k, v), go)
+    xs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = R.attention(*xs, softcap=cap, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, xs, go.double())
+    for name, a, r in zip(("out", "dq", "dk", "dv"), (out,) + grads, (ref,) + ref_grads):
+        torch.testing.assert_close(a.double(), r, rtol=2e-5, atol=2e-5 * max(1.0, r.abs().max().item()),
+                                   msg=lambda m: f"{name}: {m}")
+
+
 def test_bottom_right_equals_top_left_when_square():
     q = torch.randn(1, 2, 30, 8, dtype=torch.float64)
     a = mha_ext.attention(q, q, q, causal=True, alignment="bottom_right")

@@ -23,7 +23,17 @@ constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound - kRound rounds
 constexpr float kP6 = 1.5353362e-4f, kP5 = 1.3398875e-3f, kP4 = 9.6184369e-3f, kP3 = 5.5503324e-2f,
                 kP2 = 0.24022648f, kP1 = 0.69314718f;
 
+// tanh (softmax_cpu.cpp's tanh_512, softmax_avx2.cpp's tanh_256): below
+// kTanhSeriesEnd the odd Taylor series x + x^3 (kT3 + x^2 (kT5 + ...)), from
+// it on (1 - e) / (1 + e) with e = 2^(kTanhExp2 |x|) = e^(-2 |x|).
+constexpr float kTanhSeriesEnd = 0.5f, kTanhExp2 = -2.8853900817779268f;  // -2 log2 e
+constexpr float kT3 = -1.0f / 3, kT5 = 2.0f / 15, kT7 = -17.0f / 315, kT9 = 62.0f / 2835, kT11 = -1382.0f / 155925,
+                kT13 = 21844.0f / 6081075;
+
 namespace avx2 {
+void alibi_row(float* s, int64_t n, float slope, int64_t d0);
+void softcap_row(float* s, int64_t n, float cap, float inv);
+void softcap_grad(const float* raw, int64_t n, float inv, float* ds);
 float row_max(const float* x, int64_t n);
 float exp2_sub_sum(float* x, int64_t n, float mul, float sub);
 void mask_bool(float* s, const uint8_t* keep, int64_t n);

@@ -1,8 +1,8 @@
 // The softmax rows of the AVX2 + FMA path (rows_avx2.h): the row maximum,
-// the exponentials and their sum, the boolean and float masks, 8 lanes a
-// register, the same arithmetic as softmax_cpu.cpp's AVX-512 routines in the
-// same orders where the lanes allow. Before them an AVX2-only CPU ran the
-// softmax in scalar C++.
+// the exponentials and their sum, the boolean and float masks, the softcap,
+// ALiBi, 8 lanes a register, the same arithmetic as softmax_cpu.cpp's AVX-512
+// routines in the same orders where the lanes allow. Before them an AVX2-only
+// CPU ran the softmax in scalar C++.
 #include "rows_avx2.h"
 
 #include "x86_intrinsics.h"
@@ -41,6 +41,24 @@ MHA_AVX2_INLINE __m256 exp2_256(__m256 x) {
   const __m256 y = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)),
                                  _mm256_cmp_ps(x, _mm256_set1_ps(kExp2Lo), _CMP_NLT_UQ));  // x >= lo or NaN
   return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+// tanh as softmax_cpu.cpp's tanh_512
+MHA_AVX2_INLINE __m256 tanh_256(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 a = _mm256_andnot_ps(sign, x);
+  const __m256 e = exp2_256(_mm256_mul_ps(a, _mm256_set1_ps(kTanhExp2)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  const __m256 a2 = _mm256_mul_ps(a, a);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kT13), a2, _mm256_set1_ps(kT11));
+  p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(kT9));
+  p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(kT7));
+  p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(kT5));
+  p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(kT3));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(a, a2), p, a);
+  const __m256 t = _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(kTanhSeriesEnd), _CMP_LT_OQ));
+  return _mm256_or_ps(t, _mm256_and_ps(x, sign));  // the sign bit of x on t (t >= 0 or NaN)
 }
 
 // fl(mul x), kept an instruction of its own: the compiler would otherwise
@@ -126,6 +144,44 @@ MHA_AVX2 void mask_add(float* s, const float* m, int64_t n, float unit) {
     const __m256i t = lanes(n - i);
     _mm256_maskstore_ps(s + i, t,
                         _mm256_add_ps(_mm256_maskload_ps(s + i, t), mask_units(_mm256_maskload_ps(m + i, t), u, lo, hi)));
+  }
+}
+
+MHA_AVX2 void alibi_row(float* s, int64_t n, float slope, int64_t d0) {
+  const __m256 vs = _mm256_set1_ps(slope);
+  const __m256i step = _mm256_set1_epi32(8);
+  __m256i d = _mm256_sub_epi32(_mm256_set1_epi32(static_cast<int32_t>(d0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8, d = _mm256_sub_epi32(d, step))
+    _mm256_storeu_ps(s + i, _mm256_fnmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_abs_epi32(d)), _mm256_loadu_ps(s + i)));
+  if (i < n) {
+    const __m256i t = lanes(n - i);
+    _mm256_maskstore_ps(s + i, t,
+                        _mm256_fnmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_abs_epi32(d)), _mm256_maskload_ps(s + i, t)));
+  }
+}
+
+MHA_AVX2 void softcap_row(float* s, int64_t n, float cap, float inv) {
+  const __m256 vc = _mm256_set1_ps(cap), vi = _mm256_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(vc, tanh_256(_mm256_mul_ps(_mm256_loadu_ps(s + i), vi))));
+  if (i < n) {
+    const __m256i t = lanes(n - i);
+    _mm256_maskstore_ps(s + i, t, _mm256_mul_ps(vc, tanh_256(_mm256_mul_ps(_mm256_maskload_ps(s + i, t), vi))));
+  }
+}
+
+MHA_AVX2 void softcap_grad(const float* raw, int64_t n, float inv, float* ds) {
+  const __m256 vi = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 th = tanh_256(_mm256_mul_ps(_mm256_loadu_ps(raw + i), vi));
+    _mm256_storeu_ps(ds + i, _mm256_mul_ps(_mm256_loadu_ps(ds + i), _mm256_fnmadd_ps(th, th, one)));
+  }
+  if (i < n) {
+    const __m256i t = lanes(n - i);
+    const __m256 th = tanh_256(_mm256_mul_ps(_mm256_maskload_ps(raw + i, t), vi));
+    _mm256_maskstore_ps(ds + i, t, _mm256_mul_ps(_mm256_maskload_ps(ds + i, t), _mm256_fnmadd_ps(th, th, one)));
   }
 }
 
