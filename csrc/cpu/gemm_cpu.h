@@ -81,6 +81,8 @@ float row_max(const float* x, int64_t n);
 // written) where the path in use has no such routine
 bool mask_bool(float* s, const uint8_t* keep, int64_t n);
 bool mask_add(float* s, const float* m, int64_t n, float unit);
+// the same for a bfloat16 (bf16 true) or float16 mask, given as its bits
+bool mask_add16(float* s, const uint16_t* m, bool bf16, int64_t n, float unit);
 // The softcap of a score row (transform_row): s[c] = cap tanh(s[c] inv) with
 // inv = 1 / cap, and its derivative on dS: ds[c] *= 1 - tanh(raw[c] inv)^2;
 // false (nothing written) where the path in use has no such routine (tanh

@@ -384,6 +384,13 @@ void transform_row(const AttentionFwdParams& p, int64_t b, int64_t h, int64_t i,
           if (!cpu::mask_add(s, m, n, unit)) add_float_mask_f(s, m, n, unit);
           done = true;
         }
+      } else if constexpr (sizeof(scalar_t) == 2 && std::is_same_v<acc_t, float>) {
+        // a bfloat16 / float16 mask: widened in vector registers (the loop
+        // below widened one element at a time: a float16 forward took 1.77x
+        // the time of one without the mask)
+        if (cs == 1)
+          done = cpu::mask_add16(s, reinterpret_cast<const uint16_t*>(m), std::is_same_v<scalar_t, c10::BFloat16>, n,
+                                 unit);
       }
       if (!done)
         for (int64_t c = 0; c < n; ++c) s[c] += mask_in_units(static_cast<acc_t>(m[c * cs]), unit);

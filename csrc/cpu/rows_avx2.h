@@ -38,6 +38,7 @@ float row_max(const float* x, int64_t n);
 float exp2_sub_sum(float* x, int64_t n, float mul, float sub);
 void mask_bool(float* s, const uint8_t* keep, int64_t n);
 void mask_add(float* s, const float* m, int64_t n, float unit);
+void mask_add16(float* s, const uint16_t* m, bool bf16, int64_t n, float unit);
 // Key / value rows: 0 float32, 1 bfloat16 bits, 2 float16 bits (widened in
 // registers; float16 by F16C, which every AVX2 CPU has).
 enum class RowKind : int { kFloat = 0, kBf16 = 1, kHalf = 2 };

@@ -147,6 +147,30 @@ MHA_AVX2 void mask_add(float* s, const float* m, int64_t n, float unit) {
   }
 }
 
+// as mask_add, for a bfloat16 or float16 mask (its bits: bfloat16 widened by
+// a shift, float16 by F16C); the ragged end through a zeroed copy
+MHA_AVX2 void mask_add16(float* s, const uint16_t* m, bool bf16, int64_t n, float unit) {
+  const __m256 u = _mm256_set1_ps(unit), hi = _mm256_set1_ps(std::numeric_limits<float>::max());
+  const __m256 lo = _mm256_set1_ps(-std::numeric_limits<float>::max());
+  for (int64_t i = 0; i < n; i += 8) {
+    uint16_t tail[8] = {};
+    const uint16_t* src = m + i;
+    if (n - i < 8) {
+      std::memcpy(tail, src, static_cast<size_t>(n - i) * sizeof(uint16_t));
+      src = tail;
+    }
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    const __m256 mv = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+    const __m256 add = mask_units(mv, u, lo, hi);
+    if (n - i >= 8) {
+      _mm256_storeu_ps(s + i, _mm256_add_ps(_mm256_loadu_ps(s + i), add));
+    } else {
+      const __m256i t = lanes(n - i);
+      _mm256_maskstore_ps(s + i, t, _mm256_add_ps(_mm256_maskload_ps(s + i, t), add));
+    }
+  }
+}
+
 MHA_AVX2 void alibi_row(float* s, int64_t n, float slope, int64_t d0) {
   const __m256 vs = _mm256_set1_ps(slope);
   const __m256i step = _mm256_set1_epi32(8);

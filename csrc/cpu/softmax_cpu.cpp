@@ -96,17 +96,40 @@ __attribute__((target("avx512f,avx512bw"))) void mask_bool_avx512(float* s, cons
 // s[c] += the float mask value m[c] in units: unit m[c] clamped to the finite
 // range, an infinite m[c] as it is, NaN through (mask_in_units in
 // kernel_common_cpu.h, the same roundings)
-__attribute__((target("avx512f"))) void mask_add_avx512(float* s, const float* m, int64_t n, float unit) {
-  const __m512 u = _mm512_set1_ps(unit), hi = _mm512_set1_ps(std::numeric_limits<float>::max());
+__attribute__((target("avx512f"), always_inline)) inline __m512 mask_units_512(__m512 mv, __m512 u) {
+  const __m512 hi = _mm512_set1_ps(std::numeric_limits<float>::max());
   const __m512 lo = _mm512_set1_ps(-std::numeric_limits<float>::max());
+  // min / max return their second operand when either is NaN: NaN stays
+  const __m512 uc = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(u, mv)));
+  const __mmask16 inf = _mm512_cmp_ps_mask(mv, lo, _CMP_LT_OQ) | _mm512_cmp_ps_mask(mv, hi, _CMP_GT_OQ);
+  return _mm512_mask_blend_ps(inf, uc, mv);
+}
+
+__attribute__((target("avx512f"))) void mask_add_avx512(float* s, const float* m, int64_t n, float unit) {
+  const __m512 u = _mm512_set1_ps(unit);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 t = tail_mask16(n - i);
-    const __m512 mv = _mm512_maskz_loadu_ps(t, m + i);
-    // min / max return their second operand when either is NaN: NaN stays
-    const __m512 uc = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(u, mv)));
-    const __mmask16 inf = _mm512_cmp_ps_mask(mv, lo, _CMP_LT_OQ) | _mm512_cmp_ps_mask(mv, hi, _CMP_GT_OQ);
-    const __m512 add = _mm512_mask_blend_ps(inf, uc, mv);
-    store16(s + i, t, _mm512_add_ps(_mm512_maskz_loadu_ps(t, s + i), add));
+    store16(s + i, t, _mm512_add_ps(_mm512_maskz_loadu_ps(t, s + i), mask_units_512(_mm512_maskz_loadu_ps(t, m + i), u)));
+  }
+}
+
+// The same for a bfloat16 or float16 mask (its bits), widened 16 at a time
+// (bfloat16 by a shift, float16 by vcvtph2ps: both exact); the ragged end
+// through a zeroed copy
+template <bool kBf16>
+__attribute__((target("avx512f"))) void mask_add16_avx512(float* s, const uint16_t* m, int64_t n, float unit) {
+  const __m512 u = _mm512_set1_ps(unit);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 t = tail_mask16(n - i);
+    uint16_t tail[16] = {};
+    const uint16_t* src = m + i;
+    if (n - i < 16) {
+      std::memcpy(tail, src, static_cast<size_t>(n - i) * sizeof(uint16_t));
+      src = tail;
+    }
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    const __m512 mv = kBf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+    store16(s + i, t, _mm512_add_ps(_mm512_maskz_loadu_ps(t, s + i), mask_units_512(mv, u)));
   }
 }
 
@@ -389,6 +412,16 @@ bool softcap_grad(const float* raw, int64_t n, float inv, float* ds) {
   if (active_isa() >= Isa::kAvx2) return avx2::softcap_grad(raw, n, inv, ds), true;
 #endif
   (void)raw, (void)n, (void)inv, (void)ds;
+  return false;
+}
+
+bool mask_add16(float* s, const uint16_t* m, bool bf16, int64_t n, float unit) {
+#if MHA_X86
+  if (active_isa() >= Isa::kAvx512)
+    return (bf16 ? mask_add16_avx512<true>(s, m, n, unit) : mask_add16_avx512<false>(s, m, n, unit)), true;
+  if (active_isa() >= Isa::kAvx2) return avx2::mask_add16(s, m, bf16, n, unit), true;
+#endif
+  (void)s, (void)m, (void)bf16, (void)n, (void)unit;
   return false;
 }
 
