@@ -8,6 +8,7 @@ by up to 2x within minutes, so the share of it is taken rep by rep).
     python bench/bench_decode.py            # the grid of issue 12 (a few minutes)
     python bench/bench_decode.py --quick
     python bench/bench_decode.py --layers 12   # whole decode steps of a 12-layer model instead
+    python bench/bench_decode.py --queries 8,16   # steps of several query rows (speculative, chunked)
 
 Writes markdown to bench/out/decode.md (decode-layers.md with --layers) and
 prints it. With --layers N each case is a decode step of a model of N layers:
@@ -53,6 +54,7 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--layers", type=int, default=0, help="time decode steps over this many layers' caches")
+    ap.add_argument("--queries", default="1,4", help="query rows a call (e.g. 8,16: multi-token steps)")
     args = ap.parse_args()
     if args.layers > 0:
         return layers_table(args)
@@ -76,7 +78,7 @@ def main():
         for B in batches:
             for hq, hkv, D in shapes:
                 for S in lengths:
-                    for L in (1, 4):
+                    for L in (int(x) for x in args.queries.split(",")):
                         q = torch.randn(B, hq, L, D, dtype=dtype)
                         k = torch.randn(B, hkv, S, D, dtype=dtype)
                         v = torch.randn(B, hkv, S, D, dtype=dtype)

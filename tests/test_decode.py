@@ -12,7 +12,7 @@ import reference as R
 
 op = torch.ops.mha_ext
 
-# (N, Hq, Hkv, L, S, E, Ev): L * Hq / Hkv <= 16 rows per key/value head
+# (N, Hq, Hkv, L, S, E, Ev): L * Hq / Hkv <= 16 rows per key/value head, or up to 64 with S >= 8 of them
 SHAPES = [
     (1, 1, 1, 1, 1, 8, 8),
     (1, 8, 2, 1, 3000, 64, 64),     # one batch, 2 heads: 16 splits of 1 tile (of 12)
@@ -39,6 +39,13 @@ SHAPES = [
     # score passes of 4 rows (score_block's 4 x 4 sub-blocks), a partial last block
     (2, 8, 2, 1, 300, 64, 64),      # 4 rows of 64 columns
     (1, 12, 1, 1, 900, 128, 128),   # 12 rows (4 + 4 + 4): the second pass fetches the next block
+    # 17-64 rows a key/value head against at least 8 keys a row (decode_cpu.cpp, kDecodeRowsLong)
+    (1, 32, 8, 8, 300, 64, 64),     # 32 rows: two groups of 16 lanes
+    (2, 16, 2, 5, 400, 48, 40),     # 40 rows: 16 + 16 + 8
+    (1, 64, 8, 8, 600, 128, 128),   # 64 rows, a GQA group of 8
+    (1, 14, 2, 3, 500, 32, 16),     # 21 rows
+    (2, 8, 8, 24, 1000, 64, 64),    # 24 rows of one head (no GQA)
+    (1, 4, 1, 16, 513, 16, 24),     # 64 rows, a ragged last tile of 1 key
 ]
 
 
@@ -85,12 +92,13 @@ def test_decode_matches_reference(shape, dtype):
     dict(softcap=2.0),
     dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.03, 0.02, 0.01, 0.005])),
 ], ids=str)
-def test_decode_variants_match_reference(variant):
-    q, k, v = _inputs((1, 8, 2, 2, 2000, 32, 32), torch.float32)
+@pytest.mark.parametrize("L", [2, 12], ids=["8 rows a group", "48 rows a group"])
+def test_decode_variants_match_reference(variant, L):
+    q, k, v = _inputs((1, 8, 2, L, 2000, 32, 32), torch.float32)
     _check(q, k, v, **variant)
 
 
-@pytest.mark.parametrize("hq", [8, 16], ids=["8 rows a group", "16 rows a group"])
+@pytest.mark.parametrize("hq", [8, 16, 48], ids=["8 rows a group", "16 rows a group", "48 rows a group"])
 @pytest.mark.parametrize("batch", [2, 32], ids=["split keys", "one split a head"])
 def test_decode_masks_empty_rows_and_nan(batch, hq):
     q, k, v = _inputs((batch, hq, 2, 2, 1500, 16, 16), torch.float32)
@@ -146,8 +154,9 @@ def test_decode_skips_the_key_tiles_a_bool_mask_hides(dtype, hq, hkv, L):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_results_do_not_depend_on_the_thread_count(dtype):
-    q, k, v = _inputs((1, 32, 8, 1, 5000, 64, 64), dtype)
+@pytest.mark.parametrize("L", [1, 8])
+def test_decode_results_do_not_depend_on_the_thread_count(dtype, L):
+    q, k, v = _inputs((1, 32, 8, L, 5000, 64, 64), dtype)
     threads = torch.get_num_threads()
     try:
         runs = []

@@ -83,11 +83,12 @@ for (G, L, E, Ev, S) in ((8, 2, 128, 128, 777), (4, 2, 64, 32, 33), (16, 1, 256,
         ref = R.attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
         torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
 # the decode rows' blocks with constant head dims (64, 128) and fetch forms: 1-4 query rows a
-# key/value head (1, 2 and 4 a pass, and 3 = 2 + 1), adjacent rows and rows strided as in a (B, S, H, D)
-# cache, values narrower than the keys; then K/V past 32 MiB (the far fetch) with one and four rows
+# key/value head (1, 2 and 4 a pass, and 3 = 2 + 1) and 32 (two groups of 16 lanes), adjacent rows
+# and rows strided as in a (B, S, H, D) cache, values narrower than the keys; then K/V past 32 MiB
+# (the far fetch) with one and four rows
 for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)):
     for E, Ev in ((64, 64), (128, 128), (128, 64)):
-        for G, L in ((1, 1), (2, 1), (4, 1), (1, 3)):
+        for G, L in ((1, 1), (2, 1), (4, 1), (1, 3), (8, 4)):  # (8, 4): 32 rows against 300 keys
             q = torch.randn(2, 2 * G, L, E).to(dtype)
             for strided in (False, True):
                 if strided:

@@ -15,8 +15,8 @@ template <typename scalar_t>
 void attention_fwd_kernel(const AttentionFwdParams& p);
 
 // Whether attention_fwd_kernel runs the decode kernel for p (at most 16 query
-// rows per key/value head, no dropout, dense): the one CPU kernel that reads a
-// paged KV cache in place.
+// rows per key/value head, or 64 against at least 8 keys a row; no dropout,
+// dense): the one CPU kernel that reads a paged KV cache in place.
 bool use_decode_kernel(const AttentionFwdParams& p);
 
 // The decode kernel (decode_cpu.cpp): attention_fwd_kernel's path for p where
