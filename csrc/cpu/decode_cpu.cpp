@@ -11,18 +11,17 @@ namespace mha_ext {
 
 // Decode: few query rows per key/value head (a KV cache step, G L <= kDecodeRows
 // rows for the G query heads of a GQA group, or up to kDecodeRowsLong against
-// many keys), dense, without dropout. Memory
-// bound: the work is reading K and V, so each is read once for all R = G L
-// rows of its group, in place (float32 with unit column stride) or widened per
-// tile, never packed as K^T. Work items are (batch, key/value head, key
-// split): S = Q K^T as a dot product per (row, key) (cpu::dot_rows: each key
-// row read once for the rows, whole and in address order), the online softmax
-// per row (transform_row as in the dense kernel), O += P V (cpu::acc_rows:
-// value rows the same way). When batch x key/value heads gives fewer than
-// kDecodeItems items the keys split into runs of whole tiles (flash-decoding);
-// each split leaves its rows' max, sum and unnormalised O, merged in split
-// order. The split count depends on the shape alone, so results do not
-// depend on the thread count.
+// many keys), dense, without dropout. Memory bound: the work is reading K and
+// V, so each is read once for all R = G L rows of its group, in place
+// (float32 with unit column stride) or widened per tile, never packed as K^T.
+// Work items are (batch, key/value head, key split): S = Q K^T as a dot
+// product per (row, key) (cpu::dot_rows: each key row read once for the rows,
+// whole and in address order), the online softmax per row (transform_row as
+// in the dense kernel), O += P V (cpu::acc_rows: value rows the same way).
+// When batch x key/value heads gives fewer than kDecodeItems items the keys
+// split into runs of whole tiles (flash-decoding); each split leaves its
+// rows' max, sum and unnormalised O, merged in split order. The split count
+// depends on the shape alone, so results do not depend on the thread count.
 constexpr int64_t kDecodeRows = 16;
 // And up to kDecodeRowsLong rows where the keys number kDecodeKeysPerRow
 // times the rows or more (a KV-cache step of several tokens, a speculative
@@ -287,8 +286,8 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   // / amx_acc_rows_bf16; S for 16 rows; O in the latter's column order until
   // the item's end)
   const bool amx_rows = std::is_same_v<scalar_t, c10::BFloat16> && cpu::active_isa() == cpu::Isa::kAmx &&
-                        R >= kAmxDecodeRows && R <= kAmxRowsMax && E % 32 == 0 && E <= 256 && Ev % 32 == 0 && Ev <= 256 &&
-                        p.k_stride.col == 1 && p.v_stride.col == 1;
+                        R >= kAmxDecodeRows && R <= kAmxRowsMax && E % 32 == 0 && E <= 256 && Ev % 32 == 0 &&
+                        Ev <= 256 && p.k_stride.col == 1 && p.v_stride.col == 1;
   std::atomic<int64_t> claimed{0};
   at::parallel_for(0, claim ? at::get_num_threads() : items, claim ? 1 : grain, [&](int64_t begin, int64_t end) {
     const cpu::ReleaseTiles release{amx_rows};  // (the tile unit's state, given back at the task's end)
