@@ -138,7 +138,9 @@ def main():
     reps = 2 if args.dry_run else args.reps
     dtypes = [torch.float32, torch.bfloat16] if device.type == "cpu" else [torch.float16, torch.bfloat16]
     times = (lambda fns, r: gpu_times(fns, r, device)) if device.type == "cuda" else median_times
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_name()}, {torch.get_num_threads()} threads"
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"{cpu_name()}, {torch.get_num_threads()} threads")
+    path = mha_ext.ops.cpu_isa() if device.type == "cpu" else "cuda"
     torch._dynamo.config.cache_size_limit = 256
     gen = torch.Generator().manual_seed(0)
     headers = ["dtype", "L", "case", "pass", "mha_ext ms", "FlexAttention ms", "torch ms", "torch is",
@@ -169,7 +171,7 @@ def main():
                     print(" | ".join(str(c) for c in rows[-1]), flush=True)
                     torch._dynamo.reset()
     lines = [f"# Attention variants: mha_ext against FlexAttention and torch, {datetime.date.today()}", "",
-             f"{where}, torch {torch.__version__}, mha_ext path {mha_ext.ops.cpu_isa() if device.type == 'cpu' else 'cuda'}; "
+             f"{where}, torch {torch.__version__}, mha_ext path {path}; "
              f"`python bench/bench_flex.py {' '.join(sys.argv[1:])}`; medians of {reps} interleaved runs; "
              f"{HQ} query heads on {HKV} key/value heads, head dim {E}, batch 1. FlexAttention compiled "
              "(torch.compile, dynamic=False) with its block mask; its compile time is not counted. "

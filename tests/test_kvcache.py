@@ -74,7 +74,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(VARIANTS))
-@pytest.mark.parametrize("L", [1, 4, 40])
+@pytest.mark.parametrize("L", [1, 4, 12, 40])  # 2, 8, 24 (the decode kernel) and 80 rows a key/value head
 def test_kvcache_matches_reference_and_writes_the_cache(name, dtype, L):
     variant = VARIANTS[name]
     q, kc, vc, sl, kn, vn = _make(L=L, dtype=dtype)

@@ -65,7 +65,7 @@ def _check(dtype, L, name, ops=op):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["plain", "causal", "window", "alibi (B, Hq)"])
-@pytest.mark.parametrize("L", [1, 4, 40])  # 2 and 8 rows per key/value head: decode in place; 80: gathered
+@pytest.mark.parametrize("L", [1, 4, 12, 40])  # 2, 8 and 24 rows per key/value head: decode in place; 80: gathered
 def test_paged_kvcache_matches_reference(dtype, name, L):
     _check(dtype, L, name)
 

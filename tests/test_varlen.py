@@ -39,6 +39,18 @@ CASES = {
     "everything": ([70, 3, 150], [300, 10, 150], 4, 2, 16, 24,
                    dict(is_causal=True, window=(100, -1), softcap=3.0, alibi="h")),
     "long keys, one query row each": ([1, 1, 1], [700, 1, 333], 4, 4, 32, 32, dict()),
+    # at most 16 rows a key/value head (or 64 against 8 keys a row): the decode kernel, each
+    # sequence's rows past its own length not rows of it
+    "short sequences (decode kernel)": ([3, 0, 8, 1, 5], [3, 4, 8, 300, 0], 4, 2, 16, 8, dict(is_causal=True)),
+    "short, top-left window, softcap, alibi (B, Hq)": ([8, 2, 6], [50, 2, 9], 2, 2, 16, 16,
+                                                       dict(is_causal=True, bottom_right=False, window=(4, -1),
+                                                            softcap=2.0, alibi="bh")),
+    "short queries, long keys (64 rows a key/value head)": ([8, 3, 16], [600, 200, 900], 8, 2, 32, 32,
+                                                             dict(is_causal=True)),
+    # the second sequence's window starts in an earlier key tile than the longest's: two tiles
+    # where the batch's longest lengths would give one
+    "short, window across a key tile's edge": ([16, 16], [1000, 300], 1, 1, 16, 16,
+                                               dict(is_causal=True, window=(100, -1))),
 }
 
 
@@ -253,15 +265,17 @@ def test_varlen_gradcheck(name):
     assert torch.autograd.gradcheck(f, (q, k, v))
 
 
-def test_varlen_results_do_not_depend_on_the_thread_count():
-    q, k, v, cq, ck, slopes, kw = _build("everything", torch.float32)
+@pytest.mark.parametrize("name,dropout_p", [("everything", 0.1), ("short queries, long keys (64 rows a key/value head)",
+                                                                  0.0)])
+def test_varlen_results_do_not_depend_on_the_thread_count(name, dropout_p):
+    q, k, v, cq, ck, slopes, kw = _build(name, torch.float32)
     go = torch.randn(q.shape[0], q.shape[1], v.shape[2])
     threads = torch.get_num_threads()
     try:
         runs = []
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            runs.append(_run(q, k, v, cq, ck, slopes, kw, go, dropout_p=0.1))
+            runs.append(_run(q, k, v, cq, ck, slopes, kw, go, dropout_p=dropout_p))
     finally:
         torch.set_num_threads(threads)
     for other in runs[1:]:

@@ -559,7 +559,7 @@ void amx_pack_query_pairs(const uint16_t* q, int64_t R, int64_t E, uint16_t* dst
 
 bool amx_dot_rows_bf16(const uint16_t* q_pairs, int64_t R, int64_t E, const uint16_t* k, int64_t ldk, int64_t n,
                        float* s, int64_t lds, bool fetch) {
-  if (active_isa() != Isa::kAmx || E % 32 != 0 || E > 256) return false;
+  if (active_isa() != Isa::kAmx || E % 32 != 0 || E > 256 || R > 16) return false;
   dot_rows_tiles(q_pairs, R, E, k, ldk, n, s, lds, fetch);
   return true;
 }

@@ -32,7 +32,10 @@ constexpr int64_t kDecodeRows = 16;
 // query rows against 512-32k keys, 64 / 8 and 14 / 2 heads with 8 rows,
 // 12 x 64 heads with 32 rows against 4k keys): float32 0.97-2.78x, bfloat16
 // 1.07-4.95x, float16 1.06-2.89x; where the keys are few (L = S = 16-64,
-// 64 rows against 256 keys) 0.61-1.02x, so those stay dense.
+// 64 rows against 256 keys) 0.61-1.24x, mostly below 1, so those stay dense.
+// The keys counted are those the rows may see (a window's span, not the whole
+// cache). bfloat16 on AMX keeps 16: the tile routines take 16 rows, and larger
+// groups there were not measured against the dense kernel's tiles.
 constexpr int64_t kDecodeRowsLong = 64;
 constexpr int64_t kDecodeKeysPerRow = 8;
 // (the AMX tile routines take at most 16 rows)
@@ -98,10 +101,23 @@ struct DecodeScratch {
   }
 };
 
-bool use_decode_kernel(const AttentionFwdParams& p) {
-  if (p.dropout.enabled() || p.cu_seqlens_q != nullptr) return false;
+// A varlen batch takes it only where the dense kernel pads each sequence's
+// rows to 32 (bfloat16 on the pair products of AVX512-BF16; AMX not
+// measured, so it stays dense there). Against the dense kernel,
+// interleaved (AMD EPYC of family 25 model 17, 2 threads, causal; 256
+// sequences of 16 rows or of 1-16, 512 of 8, 1024 of 2 with 8-12 heads of 64;
+// 128 of 4 with 32 / 8 heads of 128; 64 of 16 with 4 heads of 128): bfloat16
+// there 1.04-5.08x; float32 0.63-1.31x and float16 0.81-1.16x, so those stay
+// dense (rows past a sequence's own length are computed on zero Q there).
+bool use_decode_kernel(const AttentionFwdParams& p, bool bf16) {
+  const cpu::Isa isa = cpu::active_isa();
+  if (p.dropout.enabled() || (p.cu_seqlens_q != nullptr && !(bf16 && isa == cpu::Isa::kAvx512Bf16))) return false;
   const int64_t R = p.len_q * p.group_size();
-  return R <= kDecodeRows || (R <= kDecodeRowsLong && p.len_kv >= kDecodeKeysPerRow * R);
+  if (R <= kDecodeRows) return true;
+  if (R > kDecodeRowsLong || (bf16 && isa == cpu::Isa::kAmx)) return false;
+  // the keys some row may see (a window bounds them)
+  const int64_t keys = visible_kv_end(p, 0, p.len_q) - std::max<int64_t>(visible_kv_begin(p, 0), 0);
+  return keys >= kDecodeKeysPerRow * R;
 }
 
 template <typename scalar_t>
@@ -118,12 +134,9 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   // would pass through L2 twice: a third of a bfloat16 decode's time went there)
   constexpr bool kHalfBits = std::is_same_v<acc_t, float> && sizeof(scalar_t) == 2;
   constexpr int64_t kVRows = 64;
-  const scalar_t* q = static_cast<const scalar_t*>(p.q);
-  const scalar_t* k = static_cast<const scalar_t*>(p.k);
-  const scalar_t* v = static_cast<const scalar_t*>(p.v);
   // the key tiles some row may see, and the splits: runs of whole tiles (from
   // the longest key count of a KV cache; a split past a shorter one is empty)
-  const int64_t kv_begin = visible_kv_begin(p, 0) / kBlockN * kBlockN;
+  int64_t kv_begin = visible_kv_begin(p, 0) / kBlockN * kBlockN;
   // (with a bool mask, up to the last tile it shows some row of the call: a
   // static KV cache's masked rows past its length are neither read nor split
   // over; the tiles it hides from all of an item's rows are skipped below)
@@ -137,8 +150,20 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   }
   // (with a KV cache one more: a batch's visible keys may start at another
   // offset within a tile when a window or the bottom-right corner moves them)
-  const int64_t tiles = (kv_end > kv_begin ? (kv_end - kv_begin + kBlockN - 1) / kBlockN : 0) +
-                        (p.seqlens_k != nullptr && p.variant.limits_keys() ? 1 : 0);
+  int64_t tiles = (kv_end > kv_begin ? (kv_end - kv_begin + kBlockN - 1) / kBlockN : 0) +
+                  (p.seqlens_k != nullptr && p.variant.limits_keys() ? 1 : 0);
+  if (p.cu_seqlens_q != nullptr) {
+    // varlen (sequences of at most L rows): the splits cover the sequence
+    // with the most tiles from its own first visible one (its rows from L_b
+    // on are not rows of it: their Q is zero and nothing of them is written)
+    tiles = 0, kv_begin = 0, kv_end = 0;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const AttentionFwdParams sp = sequence_params<scalar_t, acc_t>(p, b);
+      const int64_t lo = visible_kv_begin(sp, 0) / kBlockN * kBlockN, hi = visible_kv_end(sp, 0, L);
+      if (sp.len_q > 0 && hi > lo) tiles = std::max(tiles, (hi - lo + kBlockN - 1) / kBlockN);
+      kv_end = std::max(kv_end, hi);
+    }
+  }
   const int64_t heads = p.batch * Hkv;
   // A KV cache laid out (B, S, Hkv, D), paged pools alike, holds the heads
   // inside each key row: one head's rows are Hkv D elements apart (512 B of
@@ -181,7 +206,6 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   DecodeScratch<acc_t>& parts = keep ? kept_parts : call_parts;
   parts.reserve(0, 0, 0, n_part * R * Ev, n_part * R, 0, 0, 0, 0);
   Buffer<acc_t>&part_o = parts.o, &part_m = parts.m, &part_l = parts.l;
-  scalar_t* out = static_cast<scalar_t*>(p.out);
   acc_t* lse = static_cast<acc_t*>(p.lse);
   // Row r of key/value head bk (of batch b) from its splits' (max, sum,
   // unnormalised O), split sp's at m_s[sp R + r], l_s[sp R + r], o_s[(sp R + r) Ev],
@@ -189,6 +213,8 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
   auto finish_row = [&](int64_t bk, int64_t r, const acc_t* m_s, const acc_t* l_s, const acc_t* o_s, int64_t splits,
                         acc_t* acc) {
     const int64_t b = bk / Hkv, h = bk % Hkv * G + r / L, i = r % L;
+    const AttentionFwdParams sp = sequence_params<scalar_t, acc_t>(p, b);  // (varlen: its rows, its lse)
+    if (i >= sp.len_q) return;  // past a shorter sequence's rows
     acc_t mx = kNegInf;
     for (int64_t sp = 0; sp < splits; ++sp) mx = nan_max(mx, m_s[sp * R + r]);
     acc_t total = 0;
@@ -208,14 +234,14 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
       }
     }
     const acc_t inv = total > acc_t(0) ? acc_t(1) / total : acc_t(0);
-    scalar_t* orow = out + b * p.out_stride.b + h * p.out_stride.h + i * p.out_stride.row;
+    scalar_t* orow = static_cast<scalar_t*>(sp.out) + b * p.out_stride.b + h * p.out_stride.h + i * p.out_stride.row;
     if (p.out_stride.col == 1) {  // unit stride: a loop the compiler vectorises
       for (int64_t e = 0; e < Ev; ++e) orow[e] = static_cast<scalar_t>(sum[e] * inv);
     } else {
       for (int64_t e = 0; e < Ev; ++e) orow[e * p.out_stride.col] = static_cast<scalar_t>(sum[e] * inv);
     }
     // -inf for a row that may see no key; NaN stays NaN (as the dense kernel)
-    lse[p.lse_index(b, h, i)] = total > acc_t(0) ? (mx + Ops::logb(total)) / unit : (total == total ? kNegInf : total);
+    lse[sp.lse_index(b, h, i)] = total > acc_t(0) ? (mx + Ops::logb(total)) / unit : (total == total ? kNegInf : total);
   };
   // Items of a few KiB of K/V go to a thread in groups of kGroupBytes: a
   // parallel region costs about as much as reading 16 KiB (1 us here), and
@@ -306,8 +332,19 @@ void attention_decode_kernel(const AttentionFwdParams& p) {
       }
       const auto [bk, split] = item_of(w);
       const int64_t b = bk / Hkv, hk = bk % Hkv, slot = bk * n_splits + split;  // slot: its place in part_*
-      const AttentionFwdParams sp = sequence_params<scalar_t, acc_t>(p, b);  // p itself without a KV cache
+      // p itself without a KV cache or varlen (varlen: the sequence's rows,
+      // keys and values; batch strides 0)
+      const AttentionFwdParams sp = sequence_params<scalar_t, acc_t>(p, b);
+      const scalar_t* q = static_cast<const scalar_t*>(sp.q);
+      const scalar_t* k = static_cast<const scalar_t*>(sp.k);
+      const scalar_t* v = static_cast<const scalar_t*>(sp.v);
       for (int64_t r = 0; r < R; ++r) {  // row r = g L + i: query row i of head hk G + g, scaled
+        if (r % L >= sp.len_q) {  // past a shorter sequence's rows (varlen): zero, never written
+          std::fill(qr.data() + r * E, qr.data() + (r + 1) * E, acc_t(0));
+          if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
+            std::fill(q_bits.data() + r * E, q_bits.data() + (r + 1) * E, uint16_t(0));
+          continue;
+        }
         const scalar_t* src = q + b * p.q_stride.b + (hk * G + r / L) * p.q_stride.h + (r % L) * p.q_stride.row;
         if (p.q_stride.col == 1) {  // unit stride: a loop the compiler vectorises
           for (int64_t e = 0; e < E; ++e) qr[r * E + e] = static_cast<acc_t>(src[e]) * scale;

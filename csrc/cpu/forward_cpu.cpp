@@ -33,7 +33,7 @@ void dropout_keep_row_cpu(const DropoutParams& d, uint64_t row, int64_t j0, int6
 
 template <typename scalar_t>
 void attention_fwd_kernel(const AttentionFwdParams& p) {
-  if (use_decode_kernel(p)) return attention_decode_kernel<scalar_t>(p);
+  if (use_decode_kernel(p, std::is_same_v<scalar_t, c10::BFloat16>)) return attention_decode_kernel<scalar_t>(p);
   TORCH_CHECK(p.block_table == nullptr, "internal: a paged KV cache reaches the dense CPU kernel");
   using acc_t = at::opmath_type<scalar_t>;
   using Ops = RowOps<acc_t>;

@@ -337,7 +337,9 @@ Isa detect_isa() {
   Isa best = Isa::kGeneric;
 #if MHA_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::kAvx2;
+  // (F16C too: the AVX2 routines widen float16 rows and masks by vcvtph2ps)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    best = Isa::kAvx2;
   // the AVX-512 routines also use AVX512BW and BMI2 (Philox, masks)
   if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("bmi2"))

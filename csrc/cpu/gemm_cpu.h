@@ -88,11 +88,11 @@ bool mask_add16(float* s, const uint16_t* m, bool bf16, int64_t n, float unit);
 // false (nothing written) where the path in use has no such routine (tanh
 // within 3.1 ulp: softmax_cpu.cpp)
 bool softcap_row(float* s, int64_t n, float cap, float inv);
+bool softcap_grad(const float* raw, int64_t n, float inv, float* ds);
 // ALiBi on a score row (transform_row): s[c] -= slope |d0 - c|; false
 // (nothing written) where the path in use has no such routine or |d0| or n
 // reach 2^30
 bool alibi_row(float* s, int64_t n, float slope, int64_t d0);
-bool softcap_grad(const float* raw, int64_t n, float inv, float* ds);
 // Dropout keep bits of 64 * blocks consecutive columns starting at column
 // 4 * group0 of attention row `row`: keep[t] = word (t % 4) of
 // Philox4x32-10(seed, counter = (group0 + t / 4, row)) >= threshold

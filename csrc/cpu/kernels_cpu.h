@@ -15,9 +15,11 @@ template <typename scalar_t>
 void attention_fwd_kernel(const AttentionFwdParams& p);
 
 // Whether attention_fwd_kernel runs the decode kernel for p (at most 16 query
-// rows per key/value head, or 64 against at least 8 keys a row; no dropout,
-// dense): the one CPU kernel that reads a paged KV cache in place.
-bool use_decode_kernel(const AttentionFwdParams& p);
+// rows per key/value head, or 64 against at least 8 keys a row; no dropout):
+// the one CPU kernel that reads a paged KV cache in place. bf16: the inputs
+// are bfloat16 (a varlen batch takes it only then, on AVX512-BF16, where the
+// dense kernel would pad each sequence's rows to 32).
+bool use_decode_kernel(const AttentionFwdParams& p, bool bf16);
 
 // The decode kernel (decode_cpu.cpp): attention_fwd_kernel's path for p where
 // use_decode_kernel(p); same results and contract.

@@ -45,7 +45,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_attention_cpu(
                                   true);
   if (!c.has_rows) return {c.out, c.lse};
   AttentionFwdParams& p = c.p;
-  if (p.block_table != nullptr && !use_decode_kernel(p)) {
+  if (p.block_table != nullptr && !use_decode_kernel(p, query.scalar_type() == at::kBFloat16)) {
     const KVCacheShape& s = c.s;
     const at::Tensor k = gather_blocks(k_cache, *block_table, cache_seqlens, s.len_new, s.len_kv, s.block_size);
     const at::Tensor v = gather_blocks(v_cache, *block_table, cache_seqlens, s.len_new, s.len_kv, s.block_size);

@@ -31,7 +31,7 @@ constexpr float kT3 = -1.0f / 3, kT5 = 2.0f / 15, kT7 = -17.0f / 315, kT9 = 62.0
                 kT13 = 21844.0f / 6081075;
 
 namespace avx2 {
-void alibi_row(float* s, int64_t n, float slope, int64_t d0);
+void alibi_row(float* s, int64_t n, float slope, int64_t d0);  // |d0|, n < 2^30 (cpu::alibi_row checks): 32-bit lanes
 void softcap_row(float* s, int64_t n, float cap, float inv);
 void softcap_grad(const float* raw, int64_t n, float inv, float* ds);
 float row_max(const float* x, int64_t n);

@@ -61,6 +61,17 @@ MHA_AVX2_INLINE __m256 tanh_256(__m256 x) {
   return _mm256_or_ps(t, _mm256_and_ps(x, sign));  // the sign bit of x on t (t >= 0 or NaN)
 }
 
+// 1 - tanh(x)^2 as softmax_cpu.cpp's sech2_512
+MHA_AVX2_INLINE __m256 sech2_256(__m256 x) {
+  const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), one = _mm256_set1_ps(1.0f);
+  const __m256 e = exp2_256(_mm256_mul_ps(a, _mm256_set1_ps(kTanhExp2)));
+  const __m256 d = _mm256_add_ps(one, e);
+  const __m256 big = _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(4.0f), e), _mm256_mul_ps(d, d));
+  const __m256 t = tanh_256(a);
+  const __m256 small = _mm256_fnmadd_ps(t, t, one);
+  return _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(kTanhSeriesEnd), _CMP_LT_OQ));
+}
+
 // fl(mul x), kept an instruction of its own: the compiler would otherwise
 // fuse it with the difference that follows (-ffp-contract), and the callers
 // need the product rounded (softmax_cpu.cpp, mul_rounded)
@@ -188,7 +199,8 @@ MHA_AVX2 void alibi_row(float* s, int64_t n, float slope, int64_t d0) {
 MHA_AVX2 void softcap_row(float* s, int64_t n, float cap, float inv) {
   const __m256 vc = _mm256_set1_ps(cap), vi = _mm256_set1_ps(inv);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(vc, tanh_256(_mm256_mul_ps(_mm256_loadu_ps(s + i), vi))));
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(s + i, _mm256_mul_ps(vc, tanh_256(_mm256_mul_ps(_mm256_loadu_ps(s + i), vi))));
   if (i < n) {
     const __m256i t = lanes(n - i);
     _mm256_maskstore_ps(s + i, t, _mm256_mul_ps(vc, tanh_256(_mm256_mul_ps(_mm256_maskload_ps(s + i, t), vi))));
@@ -196,16 +208,15 @@ MHA_AVX2 void softcap_row(float* s, int64_t n, float cap, float inv) {
 }
 
 MHA_AVX2 void softcap_grad(const float* raw, int64_t n, float inv, float* ds) {
-  const __m256 vi = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f);
+  const __m256 vi = _mm256_set1_ps(inv);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 th = tanh_256(_mm256_mul_ps(_mm256_loadu_ps(raw + i), vi));
-    _mm256_storeu_ps(ds + i, _mm256_mul_ps(_mm256_loadu_ps(ds + i), _mm256_fnmadd_ps(th, th, one)));
-  }
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(ds + i,
+                     _mm256_mul_ps(_mm256_loadu_ps(ds + i), sech2_256(_mm256_mul_ps(_mm256_loadu_ps(raw + i), vi))));
   if (i < n) {
     const __m256i t = lanes(n - i);
-    const __m256 th = tanh_256(_mm256_mul_ps(_mm256_maskload_ps(raw + i, t), vi));
-    _mm256_maskstore_ps(ds + i, t, _mm256_mul_ps(_mm256_maskload_ps(ds + i, t), _mm256_fnmadd_ps(th, th, one)));
+    const __m256 g = sech2_256(_mm256_mul_ps(_mm256_maskload_ps(raw + i, t), vi));
+    _mm256_maskstore_ps(ds + i, t, _mm256_mul_ps(_mm256_maskload_ps(ds + i, t), g));
   }
 }
 
