@@ -9,6 +9,7 @@ by up to 2x within minutes, so the share of it is taken rep by rep).
     python bench/bench_decode.py --quick
     python bench/bench_decode.py --layers 12   # whole decode steps of a 12-layer model instead
     python bench/bench_decode.py --queries 8,16   # steps of several query rows (speculative, chunked)
+    python bench/bench_decode.py --dense --queries 4,8,16   # the kernel mha_ext picks against the dense one
 
 Writes markdown to bench/out/decode.md (decode-layers.md with --layers) and
 prints it. With --layers N each case is a decode step of a model of N layers:
@@ -55,9 +56,13 @@ def main():
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--layers", type=int, default=0, help="time decode steps over this many layers' caches")
     ap.add_argument("--queries", default="1,4", help="query rows a call (e.g. 8,16: multi-token steps)")
+    ap.add_argument("--dense", action="store_true",
+                    help="the decode kernel against the dense one (MHA_EXT_CPU_DECODE=off) on the same calls")
     args = ap.parse_args()
     if args.layers > 0:
         return layers_table(args)
+    if args.dense:
+        return dense_table(args)
     batches = [1, 4] if args.quick else [1, 4, 8]
     lengths = [2048, 8192] if args.quick else [2048, 8192, 32768]
     shapes = [(32, 8, 128), (12, 12, 64)]
@@ -112,6 +117,42 @@ def main():
                      f"{100 * min(shares):.0f}-{100 * max(shares):.0f}%, {sum(s >= 0.8 for s in shares)} of "
                      f"{len(shares)} cases at 80% or more.")
     write_report("decode.md", lines)
+
+
+def dense_table(args):
+    """mha_ext's default choice of CPU kernel against MHA_EXT_CPU_DECODE=off
+    (the dense kernel for every call), interleaved, causal bottom-right."""
+    lines = [f"# Decode: the decode kernel against the dense kernel, {datetime.date.today()}", "",
+             f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, mha_ext CPU path "
+             f"{mha_ext.ops.cpu_isa()}; `python bench/bench_decode.py {' '.join(sys.argv[1:])}`; medians of "
+             f"{args.reps} interleaved runs; auto = the kernel mha_ext picks, dense = MHA_EXT_CPU_DECODE=off.", "",
+             "| dtype | B | Hq, Hkv, D | S | L | rows a key/value head | auto ms | dense ms | dense / auto |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    ratios = []
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        for B in ([1] if args.quick else [1, 4]):
+            for hq, hkv, D in [(32, 8, 128), (12, 12, 64)]:
+                for S in ([512, 4096] if args.quick else [512, 4096, 32768]):
+                    for L in (int(x) for x in args.queries.split(",")):
+                        q = torch.randn(B, hq, L, D, dtype=dtype)
+                        k, v = (torch.randn(B, hkv, S, D, dtype=dtype) for _ in range(2))
+                        call = lambda: mha_ext.attention(q, k, v, causal=True, alignment="bottom_right",  # noqa: E731
+                                                         enable_gqa=hq != hkv)
+
+                        def mode(i):
+                            os.environ["MHA_EXT_CPU_DECODE"] = ("auto", "off")[i]
+
+                        try:
+                            ta, td = median_times([call, call], args.reps, before=mode)
+                        finally:
+                            os.environ.pop("MHA_EXT_CPU_DECODE", None)
+                        ratios.append(td / ta)
+                        lines.append(f"| {name} | {B} | {hq}, {hkv}, {D} | {S} | {L} | {L * hq // hkv} | "
+                                     f"{ta * 1e3:.3f} | {td * 1e3:.3f} | {td / ta:.2f} |")
+                        print(lines[-1], flush=True)
+    lines += ["", f"dense / auto: {min(ratios):.2f}-{max(ratios):.2f}."]
+    write_report("decode-dense.md", lines)
 
 
 def layers_table(args):

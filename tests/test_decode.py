@@ -232,3 +232,42 @@ def test_decode_bfloat16_tile_rows_with_an_infinite_value(hq, L, column):
     ea = (out[..., others].double() - ref[..., others]).abs().max().item()
     ee = (eager[..., others].double() - ref[..., others]).abs().max().item()
     assert ea <= 2 * ee + 1e-3 * ref.abs().max().item(), (ea, ee)
+
+
+# (N, Hq, Hkv, L, S, dtype, the decode kernel?): MHA_EXT_CPU_DECODE=off gives every call to the
+# dense kernel, whose sums run in another order: a call the decode kernel takes comes out
+# different in its last bits, one the dense kernel takes bit-equal
+ROUTES = [
+    (1, 32, 8, 4, 600, torch.float32, True),    # 16 rows a key/value head
+    (1, 32, 8, 8, 600, torch.float32, True),    # 32 rows against 600 keys (8 x 32 = 256 or more)
+    (1, 32, 8, 16, 600, torch.float32, True),   # 64 rows
+    (1, 32, 8, 16, 400, torch.float32, False),  # 64 rows against fewer than 8 x 64 keys
+    (1, 32, 8, 20, 4000, torch.float32, False),  # 80 rows
+    (4, 12, 12, 64, 64, torch.float32, False),  # an encoder's square heads
+    (1, 64, 8, 8, 600, torch.bfloat16, True),   # 64 rows of bfloat16 (16 on AMX: dense there)
+]
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=str)
+def test_decode_kernel_takes_the_calls_its_rule_says(route, monkeypatch):
+    import mha_ext.ops
+    N, hq, hkv, L, S, dtype, decode = route
+    if decode and dtype == torch.bfloat16 and mha_ext.ops.cpu_isa() == "amx" and L * hq // hkv > 16:
+        decode = False
+    q, k, v = _inputs((N, hq, hkv, L, S, 64, 64), dtype)
+    run = lambda: op.attention(q, k, v, None, 0.0, True, None, hq != hkv, None, -1, -1, True)[0]  # noqa: E731
+    monkeypatch.setenv("MHA_EXT_CPU_DECODE", "auto")
+    auto = run()
+    monkeypatch.setenv("MHA_EXT_CPU_DECODE", "off")
+    dense = run()
+    assert torch.equal(auto, dense) != decode
+    ref = R.attention(q, k, v, is_causal=True, bottom_right=True, enable_gqa=hq != hkv)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(dense.double(), ref, rtol=tol, atol=tol)  # (the dense kernel is right too)
+
+
+def test_decode_switch_refuses_other_values(monkeypatch):
+    monkeypatch.setenv("MHA_EXT_CPU_DECODE", "fast")
+    q, k, v = _inputs((1, 4, 4, 1, 50, 16, 16), torch.float32)
+    with pytest.raises(RuntimeError, match=r'MHA_EXT_CPU_DECODE must be "auto" or "off", got "fast"'):
+        op.attention(q, k, v, None, 0.0, False, None, False)

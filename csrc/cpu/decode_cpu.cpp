@@ -3,7 +3,9 @@
 #include "kernel_common_cpu.h"
 
 #include <atomic>
+#include <cstdlib>
 #include <numeric>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -109,7 +111,17 @@ struct DecodeScratch {
 // 128 of 4 with 32 / 8 heads of 128; 64 of 16 with 4 heads of 128): bfloat16
 // there 1.04-5.08x; float32 0.63-1.31x and float16 0.81-1.16x, so those stay
 // dense (rows past a sequence's own length are computed on zero Q there).
+//
+// MHA_EXT_CPU_DECODE=off (read at each call; default auto) gives every call
+// to the dense kernel (a paged KV cache is then gathered first), so that the
+// two run side by side on the same calls (bench/bench_decode.py --dense).
 bool use_decode_kernel(const AttentionFwdParams& p, bool bf16) {
+  if (const char* v = std::getenv("MHA_EXT_CPU_DECODE")) {
+    const std::string mode = v;
+    TORCH_CHECK(mode == "auto" || mode == "off", "MHA_EXT_CPU_DECODE must be \"auto\" or \"off\", got \"", mode,
+                "\"");
+    if (mode == "off") return false;
+  }
   const cpu::Isa isa = cpu::active_isa();
   if (p.dropout.enabled() || (p.cu_seqlens_q != nullptr && !(bf16 && isa == cpu::Isa::kAvx512Bf16))) return false;
   const int64_t R = p.len_q * p.group_size();
