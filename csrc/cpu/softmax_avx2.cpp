@@ -171,7 +171,8 @@ MHA_AVX2 void mask_add16(float* s, const uint16_t* m, bool bf16, int64_t n, floa
       src = tail;
     }
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-    const __m256 mv = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+    const __m256 mv =
+        bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
     const __m256 add = mask_units(mv, u, lo, hi);
     if (n - i >= 8) {
       _mm256_storeu_ps(s + i, _mm256_add_ps(_mm256_loadu_ps(s + i), add));
@@ -185,7 +186,8 @@ MHA_AVX2 void mask_add16(float* s, const uint16_t* m, bool bf16, int64_t n, floa
 MHA_AVX2 void alibi_row(float* s, int64_t n, float slope, int64_t d0) {
   const __m256 vs = _mm256_set1_ps(slope);
   const __m256i step = _mm256_set1_epi32(8);
-  __m256i d = _mm256_sub_epi32(_mm256_set1_epi32(static_cast<int32_t>(d0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i d =
+      _mm256_sub_epi32(_mm256_set1_epi32(static_cast<int32_t>(d0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   int64_t i = 0;
   for (; i + 8 <= n; i += 8, d = _mm256_sub_epi32(d, step))
     _mm256_storeu_ps(s + i, _mm256_fnmadd_ps(vs, _mm256_cvtepi32_ps(_mm256_abs_epi32(d)), _mm256_loadu_ps(s + i)));

@@ -115,21 +115,16 @@ __attribute__((target("avx512f"))) void mask_add_avx512(float* s, const float* m
 }
 
 // The same for a bfloat16 or float16 mask (its bits), widened 16 at a time
-// (bfloat16 by a shift, float16 by vcvtph2ps: both exact); the ragged end
-// through a zeroed copy
+// (bfloat16 by a shift, float16 by vcvtph2ps: both exact); the ragged end by
+// a masked load of the entries there are
 template <bool kBf16>
-__attribute__((target("avx512f"))) void mask_add16_avx512(float* s, const uint16_t* m, int64_t n, float unit) {
+__attribute__((target("avx512f,avx512bw"))) void mask_add16_avx512(float* s, const uint16_t* m, int64_t n, float unit) {
   const __m512 u = _mm512_set1_ps(unit);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 t = tail_mask16(n - i);
-    uint16_t tail[16] = {};
-    const uint16_t* src = m + i;
-    if (n - i < 16) {
-      std::memcpy(tail, src, static_cast<size_t>(n - i) * sizeof(uint16_t));
-      src = tail;
-    }
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-    const __m512 mv = kBf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+    const __m256i h = _mm512_castsi512_si256(_mm512_maskz_loadu_epi16(static_cast<__mmask32>(t), m + i));
+    const __m512 mv =
+        kBf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
     store16(s + i, t, _mm512_add_ps(_mm512_maskz_loadu_ps(t, s + i), mask_units_512(mv, u)));
   }
 }
