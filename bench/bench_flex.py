@@ -7,6 +7,7 @@ express), in one process, interleaved, medians.
     python bench/bench_flex.py            # L = 1024, 4096 (a few minutes, most of it compiling)
     python bench/bench_flex.py --quick    # L = 1024
     python bench/bench_flex.py --dry-run  # tiny sizes (checks the script)
+    python bench/bench_flex.py --decode   # one query row against a long KV cache instead
 
 Cases (Hq = 8 query heads on Hkv = 2, head dim 64, batch 1): causal; a
 sliding window of L / 8 keys, causal (Mistral); softcap 50, causal (Gemma 2);
@@ -126,14 +127,53 @@ def case_fns(name, L, dtype, device, backward, gen):
     return step(mha), step(fx), step(ref), label, (mha, fx, ref)
 
 
+def decode_table(args, device):
+    """Decoding: one query row (B = 1, 32 query heads on 8, head dim 128)
+    against 2k-32k keys, forward, mha_ext against FlexAttention compiled
+    (no block mask: every key visible) and SDPA."""
+    dtypes = [torch.float32, torch.bfloat16] if device.type == "cpu" else [torch.float16, torch.bfloat16]
+    times = (lambda fns, r: gpu_times(fns, r, device)) if device.type == "cuda" else median_times
+    lengths = [256] if args.dry_run else [2048, 8192, 32768]
+    reps = 2 if args.dry_run else 15
+    torch._dynamo.config.cache_size_limit = 256
+    rows, vs_flex = [], []
+    for dtype in dtypes:
+        for S in lengths:
+            q = torch.randn(1, 32, 1, 128, dtype=dtype, device=device)
+            k, v = (torch.randn(1, 8, S, 128, dtype=dtype, device=device) for _ in range(2))
+            flex = torch.compile(flex_attention, dynamic=False)
+            fns = [lambda: mha_ext.attention(q, k, v, enable_gqa=True), lambda: flex(q, k, v, enable_gqa=True),
+                   lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)]
+            diff = (fns[0]().float() - fns[1]().float()).abs().max().item()
+            tm, tf, tr = times(fns, reps)
+            vs_flex.append(tf / tm)
+            rows.append([str(dtype).replace("torch.", ""), S, f"{tm * 1e3:.3f}", f"{tf * 1e3:.3f}", f"{tr * 1e3:.3f}",
+                         f"{tf / tm:.2f}", f"{tr / tm:.2f}", f"{diff:.1e}"])
+            print(" | ".join(str(c) for c in rows[-1]), flush=True)
+            torch._dynamo.reset()
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"{cpu_name()}, {torch.get_num_threads()} threads")
+    lines = [f"# Decoding: mha_ext against FlexAttention and SDPA, {datetime.date.today()}", "",
+             f"{where}, torch {torch.__version__}; `python bench/bench_flex.py {' '.join(sys.argv[1:])}`; medians "
+             f"of {reps} interleaved runs; one query row, 32 query heads on 8 key/value heads, head dim 128, batch "
+             "1. FlexAttention compiled (dynamic=False), its compile time not counted.", "",
+             table(["dtype", "S", "mha_ext ms", "FlexAttention ms", "SDPA ms", "Flex / mha_ext", "SDPA / mha_ext",
+                    "max |mha_ext - Flex|"], rows), "",
+             f"FlexAttention / mha_ext: {min(vs_flex):.2f}-{max(vs_flex):.2f} (geomean {geomean(vs_flex):.2f})."]
+    write_report("flex-decode.md", lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes (checks the script)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--decode", action="store_true", help="one query row against 2k-32k keys (32 / 8 x 128 heads)")
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.decode:
+        return decode_table(args, device)
     lengths = [256] if args.dry_run else [1024] if args.quick else [1024, 4096]
     reps = 2 if args.dry_run else args.reps
     dtypes = [torch.float32, torch.bfloat16] if device.type == "cpu" else [torch.float16, torch.bfloat16]
