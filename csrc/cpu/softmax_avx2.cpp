@@ -43,20 +43,24 @@ MHA_AVX2_INLINE __m256 exp2_256(__m256 x) {
   return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 
-// tanh as softmax_cpu.cpp's tanh_512
-MHA_AVX2_INLINE __m256 tanh_256(__m256 x) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256 a = _mm256_andnot_ps(sign, x);
-  const __m256 e = exp2_256(_mm256_mul_ps(a, _mm256_set1_ps(kTanhExp2)));
-  const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+// tanh's series on a >= 0, and tanh, as softmax_cpu.cpp's tanh_series_512 / tanh_512
+MHA_AVX2_INLINE __m256 tanh_series_256(__m256 a) {
   const __m256 a2 = _mm256_mul_ps(a, a);
   __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kT13), a2, _mm256_set1_ps(kT11));
   p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(kT9));
   p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(kT7));
   p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(kT5));
   p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(kT3));
-  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(a, a2), p, a);
+  return _mm256_fmadd_ps(_mm256_mul_ps(a, a2), p, a);
+}
+
+MHA_AVX2_INLINE __m256 tanh_256(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 a = _mm256_andnot_ps(sign, x);
+  const __m256 e = exp2_256(_mm256_mul_ps(a, _mm256_set1_ps(kTanhExp2)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  const __m256 small = tanh_series_256(a);
   const __m256 t = _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(kTanhSeriesEnd), _CMP_LT_OQ));
   return _mm256_or_ps(t, _mm256_and_ps(x, sign));  // the sign bit of x on t (t >= 0 or NaN)
 }
@@ -67,7 +71,7 @@ MHA_AVX2_INLINE __m256 sech2_256(__m256 x) {
   const __m256 e = exp2_256(_mm256_mul_ps(a, _mm256_set1_ps(kTanhExp2)));
   const __m256 d = _mm256_add_ps(one, e);
   const __m256 big = _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(4.0f), e), _mm256_mul_ps(d, d));
-  const __m256 t = tanh_256(a);
+  const __m256 t = tanh_series_256(a);
   const __m256 small = _mm256_fnmadd_ps(t, t, one);
   return _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(kTanhSeriesEnd), _CMP_LT_OQ));
 }
